@@ -1,0 +1,99 @@
+"""The one place Python reaches the C++ kernels.
+
+Importing this module loads ``ipex_train._C``, whose TORCH_LIBRARY block registers the ``torch.ops.ipex_train``
+ops, and gives each op a fake (meta) implementation so ``torch.compile`` and FakeTensor tracing can see through
+it. Kernel-variant (ISA) selection also lives here; ``IPEX_TRAIN_KERNEL=auto|avx512|avx2|scalar`` picks one at
+import time.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.ipex_train)
+
+ops = torch.ops.ipex_train
+
+KERNEL_ENV = "IPEX_TRAIN_KERNEL"
+
+
+def cpu_features() -> dict[str, bool]:
+    """ISA features of this CPU as the kernels see them (present only with OS support for their registers)."""
+    pairs = (item.split("=") for item in ops.cpu_features().split(","))
+    return {name: flag == "1" for name, flag in pairs}
+
+
+def kernel_variant() -> str:
+    """The kernel variant the fused steps run: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
+    return ops.kernel_variant()
+
+
+def set_kernel_variant(name: str) -> None:
+    """Force a kernel variant (``"auto"`` restores the best one for this CPU).
+
+    Raises ValueError for an unknown name and RuntimeError when this CPU lacks the variant's features.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"set_kernel_variant: name must be a str, got {type(name).__name__}")
+    ops.set_kernel_variant(name)
+
+
+def supported_kernel_variants() -> list[str]:
+    """The variants this CPU can run, best first."""
+    current = kernel_variant()
+    found = []
+    try:
+        for name in ("avx512", "avx2", "scalar"):
+            try:
+                ops.set_kernel_variant(name)
+            except RuntimeError:
+                continue
+            found.append(name)
+    finally:
+        ops.set_kernel_variant(current)
+    return found
+
+
+def _apply_env() -> None:
+    requested = os.environ.get(KERNEL_ENV)
+    if not requested:
+        return
+    try:
+        ops.set_kernel_variant(requested)
+    except (ValueError, RuntimeError) as e:
+        raise RuntimeError(f"{KERNEL_ENV}={requested!r}: {e}") from None
+
+
+_apply_env()
+
+
+def _register_fakes() -> None:
+    # The step ops only mutate their inputs, so their fake versions have nothing to compute.
+    for name in ("sgd_step", "adam_step", "adagrad_step", "lamb_step", "lars_step"):
+        torch.library.register_fake(f"ipex_train::{name}")(lambda *args, **kwargs: None)
+
+    @torch.library.register_fake("ipex_train::split_bf16")
+    def _split_fake(src):
+        return torch.empty_like(src, dtype=torch.bfloat16), torch.empty_like(src, dtype=torch.int16)
+
+    @torch.library.register_fake("ipex_train::combine_bf16")
+    def _combine_fake(top, residual):
+        return torch.empty_like(top, dtype=torch.float32)
+
+
+_register_fakes()
+
+
+def split_bf16(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split an fp32 tensor into its bf16 top (nearest, ties away from zero) and int16 residual.
+
+    ``combine_bf16(*split_bf16(x))`` gives back the bits of ``x`` for every non-NaN value; NaN comes back as a
+    quiet NaN of the same sign. The outputs keep ``src``'s memory format.
+    """
+    return ops.split_bf16(src)
+
+
+def combine_bf16(top: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """Rebuild the exact fp32 tensor from a bf16 top and its int16 residual (inverse of :func:`split_bf16`)."""
+    return ops.combine_bf16(top, residual)

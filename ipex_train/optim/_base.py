@@ -1,0 +1,81 @@
+"""What Lamb and Lars share: argument checks, and the choice between the fused kernel and the reference code."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _fused
+
+
+def check_nonneg(name: str, value: Any) -> None:
+    """Raise ValueError unless ``value`` is a real number >= 0 (the message names ``name``)."""
+    if isinstance(value, Tensor):
+        value = float(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+
+def check_betas(betas: Any) -> None:
+    """Raise ValueError unless ``betas`` is a pair of numbers in [0, 1)."""
+    ok = isinstance(betas, (tuple, list)) and len(betas) == 2
+    if ok:
+        for b in betas:
+            b = float(b) if isinstance(b, Tensor) else b
+            ok = ok and isinstance(b, (int, float)) and 0.0 <= b < 1.0
+    if not ok:
+        raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")
+
+
+def can_fuse(params: list[Tensor]) -> bool:
+    """Whether the fused kernel takes these parameters as they are (dense CPU float32/float64 with dense grads)."""
+    return all(
+        p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64) and not p.grad.is_sparse for p in params
+    )
+
+
+class FusableOptimizer(torch.optim.Optimizer):
+    """A torch.optim.Optimizer whose step runs either the fused C++ kernel or the plain PyTorch reference.
+
+    Subclasses set ``KIND`` (a kind of :func:`_fused.fused_step`) and define
+    ``_reference_step(group, params, grads, state_lists)``, which runs their rule from ``_reference``.
+    """
+
+    KIND = ""
+
+    def __init__(self, params, defaults: dict[str, Any], fused: bool | None):
+        if fused not in (None, True, False):
+            raise ValueError(f"fused must be None, True or False, got {fused!r}")
+        defaults = dict(defaults, fused=fused)
+        super().__init__(params, defaults)
+
+    def _use_fused(self, group: dict[str, Any], params: list[Tensor]) -> bool:
+        fused = group.get("fused")
+        if fused is None:
+            return can_fuse(params)
+        if fused and not can_fuse(params):
+            raise RuntimeError(
+                f"{type(self).__name__}(fused=True) takes dense CPU float32/float64 parameters with dense grads; "
+                "use fused=None to fall back to the reference implementation, or ipex_train.optimize() for "
+                "bfloat16/float16 models"
+            )
+        return bool(fused)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            if self._use_fused(group, params):
+                _fused.fused_step(self.KIND, group, self.state, params, [None] * len(params), grads)
+            else:
+                self._reference_step(group, params, grads, _fused.state_lists(self.KIND, group, self.state, params))
+        return loss

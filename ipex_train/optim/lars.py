@@ -1,0 +1,38 @@
+"""Lars optimizer (You, Gitman and Ginsburg, 2017, "Large Batch Training of Convolutional Networks")."""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from . import _reference
+from ._base import FusableOptimizer, check_nonneg
+
+
+class Lars(FusableOptimizer):
+    """Lars: SGD with momentum and a per-tensor local learning rate (Algorithm 1 of the paper).
+
+    For each parameter ``w`` with grad ``g``::
+
+        local_lr = eeta * ||w|| / (||g|| + weight_decay * ||w|| + epsilon)   (1 when ||w|| or ||g|| is zero)
+        buf = momentum * buf + lr * local_lr * (g + weight_decay * w)
+        w = w - buf
+
+    The momentum buffer starts at zero. Args: ``lr``, ``momentum``, ``weight_decay``, ``eeta`` (trust
+    coefficient), ``epsilon``, and ``fused`` as for :class:`ipex_train.optim.Lamb`.
+    """
+
+    KIND = "lars"
+
+    def __init__(self, params, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
+                 eeta: float = 1e-3, epsilon: float = 0.0, *, fused: bool | None = None):
+        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay), ("eeta", eeta),
+                            ("epsilon", epsilon)):
+            check_nonneg(name, value)
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eeta=eeta, epsilon=epsilon)
+        super().__init__(params, defaults, fused)
+
+    def _reference_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                        lists: dict[str, list]) -> None:
+        _reference.lars(params, grads, lists["momentum_buffer"], lr=float(group["lr"]), momentum=group["momentum"],
+                        weight_decay=group["weight_decay"], eeta=group["eeta"], epsilon=group["epsilon"])

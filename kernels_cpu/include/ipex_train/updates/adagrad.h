@@ -1,0 +1,38 @@
+// Adagrad with torch.optim.Adagrad's meaning and order: lr_decay, weight_decay, eps, maximize
+// (initial_accumulator_value only sets the state's starting value).
+#pragma once
+
+#include "../common.h"
+
+namespace ipex_train {
+namespace updates {
+
+template <class T>
+struct AdagradCoef {
+  T grad_sign;
+  T weight_decay;
+  T clr;  // lr / (1 + (step - 1) * lr_decay)
+  T eps;
+};
+
+template <class T, class U>
+ITR_FN AdagradCoef<T> cast(const AdagradCoef<U>& c) {
+  return {T(c.grad_sign), T(c.weight_decay), T(c.clr), T(c.eps)};
+}
+
+static inline AdagradCoef<double> adagrad_coef(double lr, double lr_decay, double weight_decay, double eps,
+                                               bool maximize, double step) {
+  return {maximize ? -1.0 : 1.0, weight_decay, lr / (1.0 + (step - 1.0) * lr_decay), eps};
+}
+
+template <class T>
+ITR_FN void adagrad(T& w, T g, T& sum, const AdagradCoef<T>& c) {
+  g = g * c.grad_sign;
+  g = g + c.weight_decay * w;
+  sum = sum + g * g;
+  const T std = math::sqrt_(sum) + c.eps;
+  w = w - c.clr * (g / std);
+}
+
+}  // namespace updates
+}  // namespace ipex_train

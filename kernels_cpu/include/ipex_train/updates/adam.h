@@ -1,0 +1,60 @@
+// Adam / AdamW with torch.optim.Adam's meaning and order: L2 weight decay (Adam) or decoupled (AdamW, and Adam
+// with decoupled_weight_decay=True), amsgrad, maximize, bias correction.
+#pragma once
+
+#include "../common.h"
+
+namespace ipex_train {
+namespace updates {
+
+template <class T>
+struct AdamCoef {
+  T grad_sign;        // -1 when maximizing
+  T l2;               // weight_decay for Adam's L2 form, else 0
+  T decay;            // 1 - lr * weight_decay for the decoupled form, else 1
+  T one_minus_beta1;  // lerp weight of exp_avg toward the grad
+  T beta2;
+  T one_minus_beta2;
+  T step_size;        // lr / (1 - beta1^step)
+  T bc2_sqrt;         // sqrt(1 - beta2^step)
+  T eps;
+};
+
+template <class T, class U>
+ITR_FN AdamCoef<T> cast(const AdamCoef<U>& c) {
+  return {T(c.grad_sign), T(c.l2), T(c.decay), T(c.one_minus_beta1), T(c.beta2), T(c.one_minus_beta2),
+          T(c.step_size), T(c.bc2_sqrt), T(c.eps)};
+}
+
+// Host-side: the per-parameter coefficients for `step` (computed in double, as torch's Python code does).
+static inline AdamCoef<double> adam_coef(double lr, double beta1, double beta2, double weight_decay, double eps,
+                                         bool maximize, bool decoupled, double step) {
+  return {maximize ? -1.0 : 1.0,
+          decoupled ? 0.0 : weight_decay,
+          decoupled ? 1.0 - lr * weight_decay : 1.0,
+          1.0 - beta1,
+          beta2,
+          1.0 - beta2,
+          lr / (1.0 - __builtin_pow(beta1, step)),
+          __builtin_sqrt(1.0 - __builtin_pow(beta2, step)),
+          eps};
+}
+
+template <class T, bool AMSGRAD>
+ITR_FN void adam(T& w, T g, T& m, T& v, T& vmax, const AdamCoef<T>& c) {
+  g = g * c.grad_sign;
+  g = g + c.l2 * w;
+  w = w * c.decay;
+  m = math::lerp(m, g, c.one_minus_beta1);
+  v = v * c.beta2 + c.one_minus_beta2 * g * g;
+  T second = v;
+  if (AMSGRAD) {
+    vmax = math::maximum(vmax, v);
+    second = vmax;
+  }
+  const T denom = math::sqrt_(second) / c.bc2_sqrt + c.eps;
+  w = w - c.step_size * (m / denom);
+}
+
+}  // namespace updates
+}  // namespace ipex_train
