@@ -20,20 +20,33 @@ namespace math {
 ITR_FN float sqrt_(float x) { return __builtin_sqrtf(x); }
 ITR_FN double sqrt_(double x) { return __builtin_sqrt(x); }
 
-// NaN-propagating max, as torch.maximum does (amsgrad keeps a NaN once it appears, like torch).
-template <class T>
-ITR_FN T maximum(T a, T b) {
-  return (a != a) ? a : ((b != b) ? b : (a > b ? a : b));
-}
-
-// torch's lerp formula (aten/src/ATen/native/Lerp.h): the branch picks the form that is exact at weight 0 or 1.
-template <class T>
-ITR_FN T lerp(T self, T end, T weight) {
-  return (weight < T(0.5)) ? self + weight * (end - self) : end - (end - self) * (T(1) - weight);
-}
-
 ITR_FN uint32_t f32_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
 ITR_FN float f32_from_bits(uint32_t u) { return __builtin_bit_cast(float, u); }
 
+// Branch-free selects: c ? a : b through bit masks. Written this way because GCC turns some plain `?:` chains
+// back into branches, which stops it from vectorizing the whole loop.
+ITR_FN uint32_t mask32(bool c) { return 0u - uint32_t(c); }
+ITR_FN uint32_t select(bool c, uint32_t a, uint32_t b) { return (a & mask32(c)) | (b & ~mask32(c)); }
+ITR_FN float select(bool c, float a, float b) {
+  return __builtin_bit_cast(float, select(c, __builtin_bit_cast(uint32_t, a), __builtin_bit_cast(uint32_t, b)));
+}
+ITR_FN double select(bool c, double a, double b) {
+  const uint64_t m = 0ull - uint64_t(c);
+  return __builtin_bit_cast(double, (__builtin_bit_cast(uint64_t, a) & m) | (__builtin_bit_cast(uint64_t, b) & ~m));
+}
+
+// NaN-propagating max, as torch.maximum does (amsgrad keeps a NaN once it appears, like torch).
+template <class T>
+ITR_FN T maximum(T a, T b) {
+  return select(a != a, a, select(b != b, b, select(a > b, a, b)));
+}
+
+// torch's lerp formula (aten/src/ATen/native/Lerp.h): the form that is exact at weight 0 or 1. Both forms are
+// computed and one selected, so the loop has no branch.
+template <class T>
+ITR_FN T lerp(T self, T end, T weight) {
+  const T diff = end - self;
+  return select(weight < T(0.5), self + weight * diff, end - diff * (T(1) - weight));
+}
 }  // namespace math
 }  // namespace ipex_train

@@ -13,7 +13,7 @@ ITR_FN float bf16_to_f32(uint16_t h) { return math::f32_from_bits(uint32_t(h) <<
 ITR_FN uint16_t f32_to_bf16(float f) {
   const uint32_t u = math::f32_bits(f);
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (f != f) ? uint16_t(0x7FC0) : uint16_t(rounded);
+  return uint16_t(math::select(f != f, 0x7FC0u, rounded));
 }
 
 // Split bf16 storage: fp32 bits == (top << 16) + residual, computed in wrapping 32-bit integer arithmetic.
@@ -29,8 +29,8 @@ ITR_FN void split_bf16(float f, uint16_t& top, int16_t& residual) {
   const uint32_t u = math::f32_bits(f);
   const uint32_t t = (u + 0x8000u) >> 16;
   const bool nan = f != f;
-  top = nan ? uint16_t((u >> 16) | 0x0040u) : uint16_t(t);
-  residual = nan ? int16_t(0) : int16_t(int32_t(u - (t << 16)));
+  top = uint16_t(math::select(nan, (u >> 16) | 0x0040u, t));
+  residual = int16_t(math::select(nan, 0u, u - (t << 16)));
 }
 
 ITR_FN float combine_bf16(uint16_t top, int16_t residual) {
@@ -45,7 +45,7 @@ ITR_FN float f16_to_f32(uint16_t h) {
   const float normal = math::f32_from_bits(shifted + 0x38000000u);                  // rebias 15 -> 127
   const float infnan = math::f32_from_bits(shifted + 0x70000000u);                  // exponent 31 -> 255
   const float subnormal = math::f32_from_bits(shifted + 0x38800000u) - 6.103515625e-05f;  // exact: m * 2^-24
-  const float mag = (exp == 0x0F800000u) ? infnan : (exp == 0 ? subnormal : normal);
+  const float mag = math::select(exp == 0x0F800000u, infnan, math::select(exp == 0, subnormal, normal));
   return math::f32_from_bits(math::f32_bits(mag) | sign);
 }
 
@@ -59,9 +59,9 @@ ITR_FN uint16_t f32_to_f16(float f) {
   const uint32_t sub = math::f32_bits(math::f32_from_bits(a) + 0.5f) - 0x3F000000u;
   // Normal range: rebias the exponent and round the 13 dropped bits to nearest even.
   const uint32_t norm = (a - 0x38000000u + 0x0FFFu + ((a >> 13) & 1u)) >> 13;
-  uint32_t h = (a < 0x38800000u) ? sub : norm;
-  h = (a >= 0x477FF000u) ? 0x7C00u : h;  // rounds to or above 65520: Inf
-  h = (a > 0x7F800000u) ? 0x7E00u : h;   // NaN
+  uint32_t h = math::select(a < 0x38800000u, sub, norm);
+  h = math::select(a >= 0x477FF000u, 0x7C00u, h);  // rounds to or above 65520: Inf
+  h = math::select(a > 0x7F800000u, 0x7E00u, h);   // NaN
   return uint16_t(h | sign);
 }
 
