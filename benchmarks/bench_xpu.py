@@ -1,0 +1,105 @@
+"""Step time of the fused optimizers on the SYCL CPU device (kernels_xpu, SYCL-RTC kernels run by Intel's OpenCL
+CPU driver) against kernels_cpu and torch's fused Adam, in the same process on the same host CPU.
+
+    python -m benchmarks.bench_xpu [--quick] [--json PATH]
+
+All three run on the same cores: the SYCL CPU device is a SYCL runtime on the host CPU, not an accelerator. Times
+are per optimizer step (median over timed steps, after warm-up steps that also compile the kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+
+import torch
+
+import ipex_train
+from ipex_train.optim import _fused
+
+
+def _time(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _adam_group(decoupled: bool) -> dict:
+    return dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, amsgrad=False, maximize=False,
+                decoupled_weight_decay=decoupled)
+
+
+def run(args) -> dict:
+    """Run the benchmark; ``args`` has ``quick`` (bool). Returns a dict of step times in ms and the setup."""
+    import ipex_train.xpu as sx
+
+    if not sx.is_available():
+        raise SystemExit(f"bench_xpu: no SYCL device: {sx.unavailable_reason()}")
+    q = sx.default_queue()
+    n = 1_000_000 if args.quick else 10_000_000
+    warmup, iters = (2, 5) if args.quick else (3, 15)
+    gen = torch.Generator().manual_seed(0)
+    w, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
+    results: dict[str, float] = {}
+
+    # fp32 Adam: kernels_xpu on the SYCL CPU device, kernels_cpu, torch fused.
+    group = _adam_group(decoupled=False)
+    p_dev, g_dev, st_dev = sx.to_usm(w, q), sx.to_usm(g, q), collections.defaultdict(dict)
+    results["adam_fp32_sycl_cpu_device_ms"] = _time(
+        lambda: sx.fused_step("adam", group, st_dev, [p_dev], [None], [g_dev], q), warmup, iters)
+    p_cpu, st_cpu = w.clone(), collections.defaultdict(dict)
+    results["adam_fp32_kernels_cpu_ms"] = _time(
+        lambda: _fused.fused_step("adam", group, st_cpu, [p_cpu], [None], [g]), warmup, iters)
+    p_t = torch.nn.Parameter(w.clone())
+    p_t.grad = g.clone()
+    opt = torch.optim.Adam([p_t], lr=1e-3, weight_decay=0.01, fused=True)
+    results["adam_fp32_torch_fused_ms"] = _time(opt.step, warmup, iters)
+
+    # split-bf16 AdamW: bf16 top + int16 residual, bf16 grad, fp32 state.
+    group = _adam_group(decoupled=True)
+    top, res = ipex_train._ops.split_bf16(w)
+    gb = g.bfloat16()
+    top_dev, res_dev, gb_dev = sx.to_usm(top, q), sx.to_usm(res, q), sx.to_usm(gb, q)
+    st_dev = collections.defaultdict(dict)
+    results["adamw_split_bf16_sycl_cpu_device_ms"] = _time(
+        lambda: sx.fused_step("adam", group, st_dev, [top_dev], [res_dev], [gb_dev], q), warmup, iters)
+    top_cpu, res_cpu, st_cpu = top.clone(), res.clone(), collections.defaultdict(dict)
+    results["adamw_split_bf16_kernels_cpu_ms"] = _time(
+        lambda: _fused.fused_step("adam", group, st_cpu, [top_cpu], [res_cpu], [gb]), warmup, iters)
+
+    dev = q.sycl_device
+    return {
+        "elements": n,
+        "timed_steps": iters,
+        "sycl_device": f"{dev.name} ({dev.backend.name}:{dev.device_type.name}, SYCL CPU device)",
+        "torch_threads": torch.get_num_threads(),
+        "kernel_variant": ipex_train._ops.kernel_variant(),
+        "torch": torch.__version__,
+        "results_ms": results,
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1M elements and fewer steps (smoke run)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
+    args = parser.parse_args(argv)
+    out = run(args)
+    for key, ms in out["results_ms"].items():
+        print(f"{key:40s} {ms:9.2f} ms")
+    print(f"({out['elements']:,} elements, {out['sycl_device']}, torch threads {out['torch_threads']}, "
+          f"kernels_cpu variant {out['kernel_variant']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

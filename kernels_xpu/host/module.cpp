@@ -1,0 +1,461 @@
+// Host glue of kernels_xpu: the Python module ipex_train._xpu_C (built on first use by ipex_train.xpu with
+// torch.utils.cpp_extension.load, g++ against intel-sycl-rt's headers and libsycl; no SYCL compiler involved).
+//
+// It compiles kernels_xpu/rtc/steps.cpp at run time with SYCL-RTC (one bundle per element type, cached in the
+// Runtime for the life of the process), checks that every pointer it is handed is USM memory of the queue's
+// context, computes the per-parameter coefficients with the same header functions kernels_cpu uses, and launches
+// one kernel per parameter. Argument checks on dtypes and shapes are done in Python (ipex_train/xpu/_steps.py)
+// before anything reaches this file.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <sycl/sycl.hpp>
+
+#include "dpctl4pybind11.hpp"
+#include "kernel_abi.h"
+
+namespace py = pybind11;
+namespace syclex = sycl::ext::oneapi::experimental;
+
+namespace ipex_train {
+namespace xpu {
+namespace {
+
+// Work-group size of every launch (lowered to what the device or kernel allows): a multiple of every GPU's SIMD
+// width and small enough for any device; on the CPU device the runtime vectorizes across the work-items.
+constexpr size_t kGroup = 256;
+
+// Round exactly as kernels_cpu does, which makes the results on the SYCL CPU device bit-identical to the CPU
+// kernels: no fused multiply-adds the source did not ask for (kernels_cpu is built with -ffp-contract=off), and
+// correctly rounded fp32 sqrt and division (a GPU's default would be faster approximations).
+const std::vector<std::string> kBuildOptions = {"-ffp-contract=off", "-foffload-fp32-prec-sqrt",
+                                                "-foffload-fp32-prec-div"};
+
+// One parameter as Python hands it over: layout, element count, then the addresses of param, aux, grad and the
+// three state tensors (0 where absent).
+using SlotArg = std::tuple<int, int64_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t>;
+
+struct Slot {
+  Layout layout;
+  Chunk chunk;
+};
+
+struct ElemSizes {
+  size_t param, aux, grad, state;
+};
+
+ElemSizes elem_sizes(Layout l) {
+  switch (l) {
+    case Layout::kF32: return {4, 0, 4, 4};
+    case Layout::kF64: return {8, 0, 8, 8};
+    case Layout::kSplitBF16: return {2, 2, 2, 4};
+    case Layout::kBF16Master:
+    case Layout::kF16Master: return {2, 4, 2, 4};
+  }
+  return {0, 0, 0, 0};
+}
+
+bool is_f64(Layout l) { return l == Layout::kF64; }
+
+std::string where(const char* arg, size_t i) { return std::string(arg) + "[" + std::to_string(i) + "]"; }
+
+const char* usm_kind_name(sycl::usm::alloc a) {
+  switch (a) {
+    case sycl::usm::alloc::host: return "host";
+    case sycl::usm::alloc::device: return "device";
+    case sycl::usm::alloc::shared: return "shared";
+    default: return "unknown";
+  }
+}
+
+class Runtime {
+ public:
+  Runtime(sycl::queue q, std::string source, std::vector<std::pair<std::string, std::string>> includes)
+      : q_(std::move(q)), source_(std::move(source)), includes_(std::move(includes)) {
+    sycl::device dev = q_.get_device();  // ext_oneapi_can_compile is not const
+    if (!dev.ext_oneapi_can_compile(syclex::source_language::sycl))
+      throw std::runtime_error("the SYCL device '" + dev.get_info<sycl::info::device::name>() +
+                               "' cannot compile SYCL source at run time (SYCL-RTC); kernels_xpu needs it");
+    group_ = std::min(kGroup, dev.get_info<sycl::info::device::max_work_group_size>());
+  }
+
+  // Drops the compiled kernels, bundles and scratch memory. Must run before the process tears down its statics:
+  // a sycl::kernel destroyed after the SYCL runtime's own teardown crashes the process at exit.
+  void release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    kernels_.clear();
+    for (auto& b : bundles_) b.reset();
+    if (scratch_ != nullptr) sycl::free(scratch_, q_);
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    released_ = true;
+  }
+
+  ~Runtime() {
+    if (!released_) release();
+  }
+
+  std::string pointer_type(uintptr_t p) const {
+    return usm_kind_name(sycl::get_pointer_type(reinterpret_cast<const void*>(p), q_.get_context()));
+  }
+
+  int kernel_count() const { return int(kernels_.size()); }
+
+  std::string device_name() const { return q_.get_device().get_info<sycl::info::device::name>(); }
+
+  void sgd(const std::vector<SlotArg>& args, const std::vector<bool>& fresh, double lr, double momentum,
+           double dampening, double weight_decay, bool nesterov, bool maximize) {
+    const char* op = "ipex_train.xpu sgd_step";
+    const bool use_momentum = momentum != 0;
+    auto slots = prepare(op, args, use_momentum ? std::vector<const char*>{"momentum_buffers"}
+                                                : std::vector<const char*>{});
+    if (use_momentum && fresh.size() != slots.size())
+      throw py::value_error(std::string(op) + ": got " + std::to_string(slots.size()) + " params but " +
+                            std::to_string(fresh.size()) + " fresh_buffers flags");
+    py::gil_scoped_release nogil;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const bool f = use_momentum && fresh[i];
+      const updates::SgdCoef<double> c = {lr, weight_decay, maximize ? -1.0 : 1.0, momentum, f ? 0.0 : momentum,
+                                          f ? 1.0 : 1 - dampening};
+      const std::string name = "itx::sgd<" + layout_arg(slots[i]) + (use_momentum ? ", true" : ", false") +
+                               (nesterov ? ", true>" : ", false>");
+      launch_coef(slots[i], name, c);
+    }
+    q_.wait_and_throw();
+  }
+
+  void adam(const std::vector<SlotArg>& args, const std::vector<double>& steps, double lr, double beta1,
+            double beta2, double weight_decay, double eps, bool amsgrad, bool maximize, bool decoupled) {
+    const char* op = "ipex_train.xpu adam_step";
+    std::vector<const char*> states = {"exp_avgs", "exp_avg_sqs"};
+    if (amsgrad) states.push_back("max_exp_avg_sqs");
+    auto slots = prepare(op, args, states);
+    check_steps(op, slots, steps);
+    py::gil_scoped_release nogil;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const auto c = updates::adam_coef(lr, beta1, beta2, weight_decay, eps, maximize, decoupled, steps[i]);
+      launch_coef(slots[i], "itx::adam<" + layout_arg(slots[i]) + (amsgrad ? ", true>" : ", false>"), c);
+    }
+    q_.wait_and_throw();
+  }
+
+  void adagrad(const std::vector<SlotArg>& args, const std::vector<double>& steps, double lr, double lr_decay,
+               double weight_decay, double eps, bool maximize) {
+    const char* op = "ipex_train.xpu adagrad_step";
+    auto slots = prepare(op, args, {"state_sums"});
+    check_steps(op, slots, steps);
+    py::gil_scoped_release nogil;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const auto c = updates::adagrad_coef(lr, lr_decay, weight_decay, eps, maximize, steps[i]);
+      launch_coef(slots[i], "itx::adagrad<" + layout_arg(slots[i]) + ">", c);
+    }
+    q_.wait_and_throw();
+  }
+
+  void lamb(const std::vector<SlotArg>& args, const std::vector<double>& steps, double lr, double beta1,
+            double beta2, double weight_decay, double eps, bool bias_correction) {
+    const char* op = "ipex_train.xpu lamb_step";
+    auto slots = prepare(op, args, {"exp_avgs", "exp_avg_sqs"});
+    check_steps(op, slots, steps);
+    py::gil_scoped_release nogil;
+    std::vector<updates::LambCoef<double>> coef(slots.size());
+    for (size_t i = 0; i < slots.size(); ++i)
+      coef[i] = updates::lamb_coef(beta1, beta2, eps, weight_decay, bias_correction, steps[i]);
+    const auto norms = two_pass_norms(slots, "itx::lamb_moments<", [&](size_t i, const sycl::kernel& k, void* part) {
+      if (is_f64(slots[i].layout))
+        launch(k, slots[i].chunk.n, slots[i].chunk, coef[i], static_cast<double*>(part));
+      else
+        launch(k, slots[i].chunk.n, slots[i].chunk, updates::cast<float>(coef[i]), static_cast<float*>(part));
+    });
+    for (size_t i = 0; i < slots.size(); ++i) {
+      coef[i].lr_trust = lr * updates::lamb_trust_ratio(norms[i].first, norms[i].second);
+      launch_coef(slots[i], "itx::lamb_apply<" + layout_arg(slots[i]) + ">", coef[i]);
+    }
+    q_.wait_and_throw();
+  }
+
+  void lars(const std::vector<SlotArg>& args, double lr, double momentum, double weight_decay, double eeta,
+            double epsilon) {
+    const char* op = "ipex_train.xpu lars_step";
+    auto slots = prepare(op, args, {"momentum_buffers"});
+    py::gil_scoped_release nogil;
+    const auto norms = two_pass_norms(slots, "itx::lars_norms<", [&](size_t i, const sycl::kernel& k, void* part) {
+      if (is_f64(slots[i].layout))
+        launch(k, slots[i].chunk.n, slots[i].chunk, static_cast<double*>(part));
+      else
+        launch(k, slots[i].chunk.n, slots[i].chunk, static_cast<float*>(part));
+    });
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const updates::LarsCoef<double> c = {
+          momentum, weight_decay,
+          lr * updates::lars_local_lr(norms[i].first, norms[i].second, eeta, weight_decay, epsilon)};
+      launch_coef(slots[i], "itx::lars_apply<" + layout_arg(slots[i]) + ">", c);
+    }
+    q_.wait_and_throw();
+  }
+
+  void split_bf16(uintptr_t src, uintptr_t top, uintptr_t residual, int64_t n) {
+    const char* op = "ipex_train.xpu split_bf16";
+    check_usm(op, src, size_t(n) * 4, "src");
+    check_usm(op, top, size_t(n) * 2, "top");
+    check_usm(op, residual, size_t(n) * 2, "residual");
+    py::gil_scoped_release nogil;
+    if (n > 0)
+      launch(kernel("itx::split_bf16", false), n, reinterpret_cast<const float*>(src),
+             reinterpret_cast<uint16_t*>(top), reinterpret_cast<int16_t*>(residual), uint64_t(n));
+    q_.wait_and_throw();
+  }
+
+  void combine_bf16(uintptr_t top, uintptr_t residual, uintptr_t dst, int64_t n) {
+    const char* op = "ipex_train.xpu combine_bf16";
+    check_usm(op, top, size_t(n) * 2, "top");
+    check_usm(op, residual, size_t(n) * 2, "residual");
+    check_usm(op, dst, size_t(n) * 4, "dst");
+    py::gil_scoped_release nogil;
+    if (n > 0)
+      launch(kernel("itx::combine_bf16", false), n, reinterpret_cast<const uint16_t*>(top),
+             reinterpret_cast<const int16_t*>(residual), reinterpret_cast<float*>(dst), uint64_t(n));
+    q_.wait_and_throw();
+  }
+
+ private:
+  // Raises naming the argument unless [p, p + bytes) starts and ends in USM memory of this queue's context. A plain
+  // malloc'd pointer would happen to work on the CPU device but is undefined behaviour and fails on a GPU.
+  void check_usm(const char* op, uintptr_t p, size_t bytes, const std::string& name) const {
+    if (bytes == 0) return;
+    const sycl::context ctx = q_.get_context();
+    const auto first = sycl::get_pointer_type(reinterpret_cast<const void*>(p), ctx);
+    const auto last = sycl::get_pointer_type(reinterpret_cast<const void*>(p + bytes - 1), ctx);
+    if (p == 0 || first == sycl::usm::alloc::unknown || last == sycl::usm::alloc::unknown)
+      throw py::value_error(std::string(op) + ": " + name +
+                            " is not in SYCL USM memory of the queue's context; allocate parameters, grads and "
+                            "optimizer state with ipex_train.xpu.usm_tensor / to_usm / usm_grads on the same queue");
+  }
+
+  std::vector<Slot> prepare(const char* op, const std::vector<SlotArg>& args,
+                            const std::vector<const char*>& state_names) const {
+    if (released_) throw std::runtime_error(std::string(op) + ": this SYCL runtime was released");
+    const bool has_fp64 = q_.get_device().has(sycl::aspect::fp64);
+    std::vector<Slot> slots(args.size());
+    for (size_t i = 0; i < args.size(); ++i) {
+      const auto& [layout, n, param, aux, grad, s0, s1, s2] = args[i];
+      if (layout < 0 || layout > int(Layout::kF16Master))
+        throw py::value_error(std::string(op) + ": " + where("params", i) + " has unknown layout " +
+                              std::to_string(layout));
+      Slot& s = slots[i];
+      s.layout = Layout(layout);
+      if (is_f64(s.layout) && !has_fp64)
+        throw py::type_error(std::string(op) + ": " + where("params", i) + " is float64 but the SYCL device '" +
+                             device_name() + "' has no fp64 support");
+      s.chunk = {reinterpret_cast<void*>(param), reinterpret_cast<void*>(aux), reinterpret_cast<const void*>(grad),
+                 {reinterpret_cast<void*>(s0), reinterpret_cast<void*>(s1), reinterpret_cast<void*>(s2)}, n};
+      const ElemSizes es = elem_sizes(s.layout);
+      check_usm(op, param, es.param * size_t(n), where("params", i));
+      if (es.aux != 0) check_usm(op, aux, es.aux * size_t(n), where("aux", i));
+      check_usm(op, grad, es.grad * size_t(n), where("grads", i));
+      const uintptr_t st[3] = {s0, s1, s2};
+      for (size_t k = 0; k < state_names.size(); ++k)
+        check_usm(op, st[k], es.state * size_t(n), where(state_names[k], i));
+    }
+    return slots;
+  }
+
+  static void check_steps(const char* op, const std::vector<Slot>& slots, const std::vector<double>& steps) {
+    if (steps.size() != slots.size())
+      throw py::value_error(std::string(op) + ": got " + std::to_string(slots.size()) + " params but " +
+                            std::to_string(steps.size()) + " state_steps");
+    for (size_t i = 0; i < steps.size(); ++i)
+      if (!(steps[i] >= 1))
+        throw py::value_error(std::string(op) + ": " + where("state_steps", i) + " is " + std::to_string(steps[i]) +
+                              "; increment the step before calling the kernel");
+  }
+
+  static std::string layout_arg(const Slot& s) { return std::to_string(int(s.layout)); }
+
+  // The kernel `name` from the float or double bundle, compiling that bundle on first use.
+  const sycl::kernel& kernel(const std::string& name, bool f64) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (released_) throw std::runtime_error("ipex_train.xpu: this SYCL runtime was released");
+    auto it = kernels_.find(name);
+    if (it != kernels_.end()) return it->second;
+    auto& bundle = bundles_[f64 ? 1 : 0];
+    if (!bundle) bundle = build(f64);
+    return kernels_.emplace(name, bundle->ext_oneapi_get_kernel(name)).first->second;
+  }
+
+  // Every kernel instantiation one element type needs, named as registered_names wants them.
+  static std::vector<std::string> kernel_names(bool f64) {
+    std::vector<std::string> names;
+    const std::vector<int> layouts = f64 ? std::vector<int>{int(Layout::kF64)}
+                                         : std::vector<int>{int(Layout::kF32), int(Layout::kSplitBF16),
+                                                            int(Layout::kBF16Master), int(Layout::kF16Master)};
+    for (int l : layouts) {
+      const std::string a = std::to_string(l);
+      for (const char* flags : {", false, false>", ", true, false>", ", true, true>"})
+        names.push_back("itx::sgd<" + a + flags);
+      names.push_back("itx::adam<" + a + ", false>");
+      names.push_back("itx::adam<" + a + ", true>");
+      for (const char* k : {"adagrad", "lamb_moments", "lamb_apply", "lars_norms", "lars_apply"})
+        names.push_back(std::string("itx::") + k + "<" + a + ">");
+    }
+    if (!f64) {
+      names.push_back("itx::split_bf16");
+      names.push_back("itx::combine_bf16");
+    }
+    return names;
+  }
+
+  sycl::kernel_bundle<sycl::bundle_state::executable> build(bool f64) {
+    syclex::include_files inc;
+    for (const auto& [name, text] : includes_) inc.add(name, text);
+    const std::string src = std::string("#define ITX_REAL ") + (f64 ? "double" : "float") + "\n" + source_;
+    std::string log;
+    try {
+      auto source = syclex::create_kernel_bundle_from_source(q_.get_context(), syclex::source_language::sycl, src,
+                                                             syclex::properties{inc});
+      return syclex::build(source, std::vector<sycl::device>{q_.get_device()},
+                           syclex::properties{syclex::registered_names{kernel_names(f64)}, syclex::save_log{&log},
+                                              syclex::build_options{kBuildOptions}});
+    } catch (const sycl::exception& e) {
+      throw std::runtime_error(std::string("SYCL-RTC could not compile kernels_xpu/rtc/steps.cpp (") +
+                               (f64 ? "double" : "float") + ") for '" + device_name() + "': " + e.what() + "\n" + log);
+    }
+  }
+
+  size_t group_size(const sycl::kernel& k) const {
+    const size_t kmax = k.get_info<sycl::info::kernel_device_specific::work_group_size>(q_.get_device());
+    return std::min(group_, kmax);
+  }
+
+  size_t groups(const sycl::kernel& k, int64_t n) const {
+    const size_t g = group_size(k);
+    return (size_t(n) + g - 1) / g;
+  }
+
+  template <class... Args>
+  void launch(const sycl::kernel& k, int64_t n, Args... args) {
+    const size_t g = group_size(k);
+    const size_t global = ((size_t(n) + g - 1) / g) * g;
+    q_.submit([&](sycl::handler& h) {
+      h.set_args(args...);
+      h.parallel_for(sycl::nd_range<1>{sycl::range<1>{global}, sycl::range<1>{g}}, k);
+    });
+  }
+
+  // Launches kernel `name` over slot s (nothing for an empty one), with the coefficients cast to its element type.
+  template <class Coef>
+  void launch_coef(const Slot& s, const std::string& name, const Coef& c) {
+    if (s.chunk.n == 0) return;
+    const bool f64 = is_f64(s.layout);
+    const sycl::kernel& k = kernel(name, f64);
+    if (f64)
+      launch(k, s.chunk.n, s.chunk, c);
+    else
+      launch(k, s.chunk.n, s.chunk, updates::cast<float>(c));
+  }
+
+  // First pass of Lamb or Lars: run(i, kernel, partial) launches kernel `prefix<layout>` for slot i, which writes
+  // two sums of squares per work-group into partial. Returns per slot the two norms, the partials added in double
+  // in work-group order (deterministic for a given device and size).
+  template <class Run>
+  std::vector<std::pair<double, double>> two_pass_norms(const std::vector<Slot>& slots, const std::string& prefix,
+                                                        const Run& run) {
+    std::vector<const sycl::kernel*> ks(slots.size(), nullptr);
+    std::vector<size_t> offset(slots.size() + 1, 0);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i].chunk.n > 0) {
+        ks[i] = &kernel(prefix + layout_arg(slots[i]) + ">", is_f64(slots[i].layout));
+        offset[i + 1] = offset[i] + 2 * groups(*ks[i], slots[i].chunk.n) * 8;  // bytes, room for double partials
+      } else {
+        offset[i + 1] = offset[i];
+      }
+    }
+    char* part = static_cast<char*>(scratch(offset.back()));
+    for (size_t i = 0; i < slots.size(); ++i)
+      if (ks[i] != nullptr) run(i, *ks[i], part + offset[i]);
+    q_.wait_and_throw();
+    std::vector<std::pair<double, double>> norms(slots.size(), {0.0, 0.0});
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (ks[i] == nullptr) continue;
+      const size_t count = 2 * groups(*ks[i], slots[i].chunk.n);
+      double a = 0, b = 0;
+      for (size_t j = 0; j < count; j += 2) {
+        if (is_f64(slots[i].layout)) {
+          a += reinterpret_cast<const double*>(part + offset[i])[j];
+          b += reinterpret_cast<const double*>(part + offset[i])[j + 1];
+        } else {
+          a += double(reinterpret_cast<const float*>(part + offset[i])[j]);
+          b += double(reinterpret_cast<const float*>(part + offset[i])[j + 1]);
+        }
+      }
+      norms[i] = {std::sqrt(a), std::sqrt(b)};
+    }
+    return norms;
+  }
+
+  // Shared USM scratch of at least `bytes`, kept between steps (the host reads the partial sums from it).
+  void* scratch(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (bytes > scratch_bytes_) {
+      if (scratch_ != nullptr) sycl::free(scratch_, q_);
+      scratch_ = sycl::malloc_shared(bytes, q_);
+      if (scratch_ == nullptr) throw std::runtime_error("ipex_train.xpu: could not allocate USM scratch");
+      scratch_bytes_ = bytes;
+    }
+    return scratch_;
+  }
+
+  sycl::queue q_;
+  std::string source_;
+  std::vector<std::pair<std::string, std::string>> includes_;
+  size_t group_ = kGroup;
+  std::mutex mu_;
+  std::optional<sycl::kernel_bundle<sycl::bundle_state::executable>> bundles_[2];
+  std::unordered_map<std::string, sycl::kernel> kernels_;
+  void* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+  bool released_ = false;
+};
+
+// torch's XPU build hands out its current stream's queue as the address of a sycl::queue.
+std::shared_ptr<Runtime> runtime_from_queue_address(uintptr_t address, std::string source,
+                                                    std::vector<std::pair<std::string, std::string>> includes) {
+  if (address == 0) throw py::value_error("queue_address is 0");
+  return std::make_shared<Runtime>(*reinterpret_cast<sycl::queue*>(address), std::move(source), std::move(includes));
+}
+
+}  // namespace
+}  // namespace xpu
+}  // namespace ipex_train
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using ipex_train::xpu::Runtime;
+  m.doc() = "kernels_xpu host glue: fused optimizer steps on a SYCL queue (kernels compiled at run time)";
+  py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
+      .def(py::init<sycl::queue, std::string, std::vector<std::pair<std::string, std::string>>>(), py::arg("queue"),
+           py::arg("source"), py::arg("includes"))
+      .def_static("from_queue_address", &ipex_train::xpu::runtime_from_queue_address, py::arg("queue_address"),
+                  py::arg("source"), py::arg("includes"))
+      .def("release", &Runtime::release)
+      .def("pointer_type", &Runtime::pointer_type, py::arg("address"))
+      .def("kernel_count", &Runtime::kernel_count)
+      .def("device_name", &Runtime::device_name)
+      .def("sgd", &Runtime::sgd)
+      .def("adam", &Runtime::adam)
+      .def("adagrad", &Runtime::adagrad)
+      .def("lamb", &Runtime::lamb)
+      .def("lars", &Runtime::lars)
+      .def("split_bf16", &Runtime::split_bf16)
+      .def("combine_bf16", &Runtime::combine_bf16);
+}
