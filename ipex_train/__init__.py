@@ -6,6 +6,8 @@ __version__ = "0.1.0"
 
 from . import _ops  # noqa: F401  (loads the kernels and registers torch.ops.ipex_train)
 from . import optim
+from ._channels_last import disable_auto_channels_last, enable_auto_channels_last
 from ._info import info
+from .frontend import optimize
 
-__all__ = ["info", "optim", "__version__"]
+__all__ = ["info", "optim", "optimize", "enable_auto_channels_last", "disable_auto_channels_last", "__version__"]

@@ -1,0 +1,222 @@
+"""Which parameters go low precision, where their fp32 truth lives, and the model hooks that keep it visible.
+
+A low-precision parameter keeps its Parameter object; only ``param.data`` changes. Its exact fp32 value is held
+by :class:`MasterWeights` as either
+
+* an int16 *residual* (split bf16: ``param.data`` is the bf16 top, fp32 bits == (top << 16) + residual), or
+* an fp32 *master* copy (bf16 without splitting, and every float16 parameter).
+
+The same object serves the optimizer (``aux`` for the fused kernels, fp32 working copies for the non-fused path)
+and the model's state_dict hooks (fp32 out, re-split in). The hooks are ``functools.partial`` objects over
+module-level functions, so ``copy.deepcopy(model)`` copies the MasterWeights with the model and the copy's hooks
+point at the copy's parameters.
+"""
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import torch
+from torch import Tensor, nn
+
+from ._ops import combine_bf16, split_bf16
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+# Modules whose weights go low precision: their forward is one matmul-class op on their own parameters.
+CONVERTIBLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+               nn.ConvTranspose3d, nn.Embedding, nn.EmbeddingBag, nn.RNNBase)
+
+
+def _allowing_modules(model: nn.Module) -> set[int]:
+    """ids of the modules of ``model`` whose parameters may be converted.
+
+    Linears inside nn.MultiheadAttention are excluded: its forward reads ``out_proj.weight`` directly, next to
+    its own fp32 ``in_proj_weight``, so converting one without the other would mix dtypes in one matmul.
+    """
+    inside_mha = {id(m) for mha in model.modules() if isinstance(mha, nn.MultiheadAttention) for m in mha.modules()}
+    return {id(m) for m in model.modules() if isinstance(m, CONVERTIBLE) and id(m) not in inside_mha}
+
+
+def owners(model: nn.Module) -> dict[Tensor, list[nn.Module]]:
+    """Every parameter of ``model`` with the modules that register it (several for tied weights)."""
+    found: dict[Tensor, list[nn.Module]] = defaultdict(list)
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                found[p].append(m)
+    return found
+
+
+def convertible_parameters(model: nn.Module) -> list[Tensor]:
+    """The fp32 parameters of ``model`` that go low precision: every module registering one allows it, and each
+    such module converts all of its fp32 parameters or none (a Linear with an fp32 weight and a bf16 bias could not
+    run)."""
+    allowed = _allowing_modules(model)
+    found = owners(model)
+    chosen = {p for p, mods in found.items() if p.dtype == torch.float32 and all(id(m) in allowed for m in mods)}
+    changed = True
+    while changed:  # a tie can carry an exclusion from one module to the next
+        changed = False
+        for p in list(chosen):
+            siblings = (q for m in found[p] for q in m._parameters.values() if q is not None)
+            if any(q.dtype == torch.float32 and q not in chosen for q in siblings):
+                chosen.discard(p)
+                changed = True
+    return [p for p in found if p in chosen]
+
+
+def _set_data(p: Tensor, data: Tensor) -> None:
+    # A grad left from before optimize() must follow the new dtype and layout, or the next backward cannot
+    # accumulate into it.
+    grad = p.grad
+    if grad is not None:
+        p.grad = None
+    p.data = data
+    if grad is not None:
+        p.grad = torch.empty_like(data).copy_(grad)
+
+
+def set_memory_format(p: Tensor, memory_format: torch.memory_format) -> None:
+    """Re-lay ``p`` (an fp32/fp64 parameter without a MasterWeights entry) in ``memory_format``."""
+    if not p.is_contiguous(memory_format=memory_format):
+        _set_data(p, p.data.contiguous(memory_format=memory_format))
+
+
+def cast_inputs(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook of a converted module: cast floating-point tensor inputs to its weights' dtype.
+
+    The user's data loader yields fp32 batches, and an fp32 normalisation layer may sit before a bf16 layer.
+    Tuples (an RNN's ``(h, c)``, a PackedSequence) are cast element-wise.
+    """
+    dtype = next(p.dtype for p in module._parameters.values() if p is not None)
+
+    def cast(a):
+        if isinstance(a, Tensor):
+            return a.to(dtype) if a.is_floating_point() and a.dtype != dtype else a
+        if isinstance(a, tuple):
+            items = [cast(x) for x in a]
+            return type(a)(*items) if hasattr(a, "_fields") else tuple(items)
+        return a
+
+    return tuple(cast(a) for a in args)
+
+
+class MasterWeights:
+    """The fp32 truth of a model's low-precision parameters (see the module docstring).
+
+    ``split``: keep bf16 parameters as top + int16 residual (else bf16 + fp32 master). ``dtype``: the dtype
+    optimize() converted to (None when it converted nothing). ``aux`` maps each low-precision Parameter to its
+    residual or master; ``tied`` lists the state_dict key groups that name one parameter.
+    """
+
+    def __init__(self, dtype: torch.dtype | None, split: bool):
+        self.dtype = dtype
+        self.split = split
+        self.aux: dict[Tensor, Tensor] = {}
+        self.tied: list[list[str]] = []
+        self._pending: dict[Tensor, Tensor] = {}
+
+    def is_split(self, p: Tensor) -> bool:
+        """Whether ``p`` is held as bf16 top + residual."""
+        return p in self.aux and self.aux[p].dtype == torch.int16
+
+    def convert(self, p: Tensor, dtype: torch.dtype, memory_format: torch.memory_format) -> None:
+        """Turn fp32 parameter ``p`` into ``dtype`` (bf16/fp16) laid out in ``memory_format``, keeping its value."""
+        value = p.data.contiguous(memory_format=memory_format)
+        if dtype == torch.bfloat16 and self.split:
+            top, self.aux[p] = split_bf16(value)
+            _set_data(p, top)
+        else:
+            self.aux[p] = value
+            _set_data(p, value.to(dtype))
+
+    def adopt(self, p: Tensor) -> None:
+        """Give a parameter that is already bf16/fp16 (a pure low-precision model, a param added later) an fp32
+        truth equal to its current value; no-op for other parameters and ones already held."""
+        if p.dtype not in LOW_PRECISION or p in self.aux:
+            return
+        if p.dtype == torch.bfloat16 and self.split:
+            self.aux[p] = torch.zeros_like(p, dtype=torch.int16)
+        else:
+            self.aux[p] = p.data.float()
+
+    def fp32(self, p: Tensor) -> Tensor:
+        """The exact fp32 value of ``p`` (the live master itself when there is one)."""
+        if self.is_split(p):
+            return combine_bf16(p.data, self.aux[p])
+        return self.aux[p] if p in self.aux else p.data
+
+    def store(self, p: Tensor, value: Tensor) -> None:
+        """Set ``p`` (and its residual or master) to the fp32 ``value``; ``value`` may be the master itself."""
+        if self.is_split(p):
+            top, residual = split_bf16(value.to(torch.float32))
+            p.data.copy_(top)
+            self.aux[p].copy_(residual)
+        elif p in self.aux:
+            master = self.aux[p]
+            if value is not master:
+                master.copy_(value)
+            p.data.copy_(master)
+        else:
+            p.data.copy_(value)
+
+    def register_hooks(self, model: nn.Module) -> None:
+        """Hook every module of ``model`` that registers a held parameter: inputs cast to the weight dtype,
+        state_dict in fp32, load_state_dict re-splitting; and make tied weights share one tensor in state_dict."""
+        allowed = _allowing_modules(model)
+        for m in model.modules():
+            held = [p for p in m._parameters.values() if p is not None and p in self.aux]
+            if not held:
+                continue
+            if id(m) in allowed and all(p.dtype in LOW_PRECISION for p in m._parameters.values() if p is not None):
+                m.register_forward_pre_hook(cast_inputs)
+            m.register_state_dict_post_hook(functools.partial(_state_dict_post_hook, self))
+            m.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, self))
+            m.register_load_state_dict_post_hook(functools.partial(_load_post_hook, self))
+        names: dict[Tensor, list[str]] = defaultdict(list)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if p in self.aux:
+                names[p].append(name)
+        self.tied = [keys for keys in names.values() if len(keys) > 1]
+        if self.tied:
+            model.register_state_dict_post_hook(functools.partial(_share_tied_post_hook, self))
+
+
+def _state_dict_post_hook(masters: MasterWeights, module: nn.Module, state_dict: dict, prefix: str,
+                          local_metadata: dict) -> None:
+    for name, p in module._parameters.items():
+        key = prefix + name
+        if p is not None and p in masters.aux and key in state_dict:
+            state_dict[key] = masters.fp32(p).detach()
+
+
+def _share_tied_post_hook(masters: MasterWeights, module: nn.Module, state_dict: dict, prefix: str,
+                          local_metadata: dict) -> None:
+    # Each owner converted its own copy; tied weights must stay one tensor, as in a plain model's state_dict.
+    for keys in masters.tied:
+        present = [prefix + k for k in keys if prefix + k in state_dict]
+        for key in present[1:]:
+            state_dict[key] = state_dict[present[0]]
+
+
+def _load_pre_hook(masters: MasterWeights, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
+                   strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    # torch copies the incoming fp32 value into the bf16 top (rounded) and cannot reach the residual; remember the
+    # full value and store it after the load. Shape errors are left to torch's own checks.
+    if local_metadata.get("assign_to_params_buffers", False):
+        error_msgs.append(f"{prefix or 'model'}: load_state_dict(assign=True) would replace parameters that "
+                          "ipex_train.optimize() keeps in low precision; load with assign=False")
+        return
+    for name, p in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        if p is not None and p in masters.aux and isinstance(value, Tensor) and value.shape == p.shape:
+            masters._pending[p] = value
+
+
+def _load_post_hook(masters: MasterWeights, module: nn.Module, incompatible_keys) -> None:
+    with torch.no_grad():
+        for p in module._parameters.values():
+            value = masters._pending.pop(p, None) if p is not None else None
+            if value is not None:
+                masters.store(p, value.to(device=p.device))

@@ -1,0 +1,237 @@
+"""``optimize()``: validate everything, resolve the level and flags, then convert the model and the optimizer.
+
+Order of passes (training): copy (inplace=False) -> low-precision conversion with fp32 truth, channels-last ->
+model hooks -> bf16 compute policy -> optimizer. Nothing is modified before every argument has been checked, so an
+error leaves the user's model and optimizer as they were.
+
+Mixed dtypes in one model: Linear/Conv*/ConvTranspose*/Embedding*/RNN weights go low precision, normalisation
+layers (and every other parameter) stay fp32. Each converted module casts its floating-point inputs to its weight
+dtype (forward pre-hook), so fp32 batches and fp32 normalisation outputs feed it; torch's CPU LayerNorm/
+BatchNorm/GroupNorm take bf16 inputs with fp32 weights and return bf16. The model output is therefore bf16 when
+its last layer is converted; ``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward works as well.
+With dtype=bfloat16 the bf16 compute policy (:mod:`ipex_train.compute_policy`) is attached to the model: on
+CPUs without bf16 units bf16 matmuls/convolutions are computed in fp32 from the bf16 operands.
+
+Distributed: call optimize() first, then wrap the returned model in DistributedDataParallel (DDP builds its
+gradient buckets from the parameter dtypes). All ranks must start from the same fp32 weights (same seed or the
+same checkpoint): DDP's initial broadcast syncs the bf16 tops, not the residuals.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from . import _channels_last
+from ._master_weights import LOW_PRECISION, MasterWeights, cast_inputs, convertible_parameters, set_memory_format
+from .optim._wrapper import TrainingOptimizer, fused_kind, training_optimizer, user_class
+
+_log = logging.getLogger("ipex_train")
+
+DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+LEVELS = ("O0", "O1")
+_ATTR = "_ipex_train_masters"  # the MasterWeights of an optimized model, also how a second optimize() sees it
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The resolved optimization switches (explicit arguments over the level's defaults)."""
+
+    conv_bn_folding: bool
+    linear_bn_folding: bool
+    replace_dropout_with_identity: bool
+    split_master_weight_for_bf16: bool
+    fuse_update_step: bool
+    auto_channels_last: bool
+
+
+def _resolve_flags(level: str, **given: bool | None) -> Flags:
+    on = level == "O1"  # O0 changes nothing but the dtype handling
+    values = {}
+    for name, value in given.items():
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"optimize(): {name} must be True, False or None, got {value!r}")
+        values[name] = value
+    cl = _channels_last.resolve(values.pop("auto_channels_last"), on)
+    return Flags(auto_channels_last=cl, **{k: on if v is None else v for k, v in values.items()})
+
+
+def _validate(model, optimizer, dtype, level) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize(): model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimize(): optimizer must be a torch.optim.Optimizer or None, got "
+                        f"{type(optimizer).__name__}")
+    if dtype not in DTYPES:
+        raise ValueError(f"optimize(): dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
+                         f"got {dtype!r}")
+    if level not in LEVELS:
+        raise ValueError(f"optimize(): level must be 'O0' or 'O1', got {level!r}")
+    if model.training and optimizer is None:
+        raise ValueError("optimize(): the model is in training mode but no optimizer was given; pass the optimizer "
+                         "(optimize(model, optimizer, ...)) to train, or call model.eval() first for inference")
+    if not model.training and optimizer is not None:
+        raise ValueError("optimize(): an optimizer was given but the model is in eval mode; call model.train() "
+                         "before optimize() to train, or leave the optimizer out for inference")
+    devices = {t.device for t in model.parameters()} | {t.device for t in model.buffers()}
+    if len(devices) > 1:
+        raise ValueError(f"optimize(): the model's tensors are on several devices ({sorted(map(str, devices))}); "
+                         "move the whole model to the CPU first (model.to('cpu'))")
+    if devices and devices != {torch.device("cpu")}:
+        raise ValueError(f"optimize(): the model is on {devices.pop()}; ipex_train trains on the CPU, call "
+                         "model.to('cpu') first")
+    masters = getattr(model, _ATTR, None)
+    if masters is not None and dtype is not None and (dtype if dtype in LOW_PRECISION else None) != masters.dtype:
+        raise ValueError(f"optimize(): the model was already optimized with dtype={masters.dtype}; pass that dtype "
+                         "(or None), or start again from the fp32 model")
+    if optimizer is not None:
+        in_model = {id(p) for p in model.parameters()}
+        foreign = sum(id(p) not in in_model for g in optimizer.param_groups for p in g["params"])
+        if foreign:
+            raise ValueError(f"optimize(): {foreign} parameter(s) of the optimizer are not parameters of the model; "
+                             "build the optimizer from model.parameters() (or add extra tensors with "
+                             "add_param_group after optimize())")
+        if isinstance(optimizer, TrainingOptimizer) and optimizer._ipex_masters is not masters:
+            raise ValueError("optimize(): this optimizer was returned by optimize() for another model; pass the "
+                             "model it was returned with, or a fresh optimizer")
+
+
+def _copy_model(model: nn.Module) -> tuple[nn.Module, dict[int, object]]:
+    """deepcopy of ``model`` and its memo. Non-leaf tensors stored on modules (cached activations) cannot be
+    deep-copied; the copy shares them instead."""
+    memo: dict[int, object] = {}
+    for m in model.modules():
+        for value in vars(m).values():
+            if isinstance(value, dict):
+                value = list(value.values())
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, Tensor) and not t.is_leaf:
+                    memo[id(t)] = t
+    return copy.deepcopy(model, memo), memo
+
+
+def _convert(model: nn.Module, dtype: torch.dtype | None, flags: Flags, keep_fp32_truth: bool) -> MasterWeights:
+    """Low precision (with fp32 truth when ``keep_fp32_truth``) and channels-last, in place on ``model``."""
+    low = dtype if dtype in LOW_PRECISION else None
+    masters = MasterWeights(low, flags.split_master_weight_for_bf16)
+    formats = _channels_last.memory_formats(model) if flags.auto_channels_last else {}
+    with torch.no_grad():
+        for p in convertible_parameters(model) if low is not None else []:
+            fmt = formats.get(p, torch.contiguous_format)
+            if keep_fp32_truth:
+                masters.convert(p, low, fmt)
+            else:
+                p.data = p.data.to(low).contiguous(memory_format=fmt)
+        for p, fmt in formats.items():
+            if p.dtype not in LOW_PRECISION:
+                set_memory_format(p, fmt)
+    return masters
+
+
+def _attach_compute_policy(model: nn.Module, bf16_compute: str | None) -> None:
+    from . import compute_policy
+
+    compute_policy.attach(model, compute_policy.resolve(bf16_compute))
+
+
+def _inference_passes(model: nn.Module, flags: Flags, sample_input) -> None:
+    """The inference-only passes of :mod:`ipex_train.inference` that ``flags`` ask for, on the fp32 eval model."""
+    from .inference import fold_conv_bn, fold_linear_bn, replace_dropout
+
+    if flags.conv_bn_folding:
+        fold_conv_bn(model, sample_input)
+    if flags.linear_bn_folding:
+        fold_linear_bn(model, sample_input)
+    if flags.replace_dropout_with_identity:
+        replace_dropout(model)
+
+
+def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_bn_folding=None,
+             linear_bn_folding=None, replace_dropout_with_identity=None, split_master_weight_for_bf16=None,
+             fuse_update_step=None, auto_channels_last=None, sample_input=None, bf16_compute=None):
+    """Prepare ``model`` (and ``optimizer``) for fast CPU training, or ``model`` alone for inference.
+
+    Training (``model.training`` and an optimizer): returns ``(model, optimizer)``; use both in an unchanged
+    training loop. Inference (``model.eval()`` and no optimizer): returns the model.
+
+    Args:
+        model: the torch.nn.Module, all on the CPU.
+        optimizer: a torch.optim.Optimizer over the model's parameters. SGD, Adam, AdamW, Adagrad,
+            ipex_train.optim.Lamb/Lars (and subclasses keeping their step) get a fused step, one C++ call per
+            param group; other optimizers run their own step on fp32 values.
+        dtype: None or torch.float32 (fp32 training), torch.bfloat16 or torch.float16: the weights of Linear,
+            Conv*, ConvTranspose*, Embedding, EmbeddingBag and RNN/LSTM/GRU go to that dtype, everything else stays
+            fp32; the exact fp32 value is kept (see split_master_weight_for_bf16), and model.state_dict() and
+            optimizer state stay fp32.
+        level: "O1" turns every optimization on, "O0" only the dtype handling; explicit flags win.
+        inplace: modify ``model`` and ``optimizer`` (the returned optimizer is a new object sharing the param
+            group dicts and state of ``optimizer``; use the returned one). With False (default) ``model`` is deep
+            copied and ``model``/``optimizer`` are left untouched; the returned optimizer has its own group dicts,
+            so an LR scheduler must be created on it (one created before on ``optimizer`` keeps driving
+            ``optimizer``; a warning says so).
+        conv_bn_folding, linear_bn_folding, replace_dropout_with_identity: inference passes (ignored in training).
+        split_master_weight_for_bf16: keep bf16 weights as bf16 top + int16 residual (True, no extra memory),
+            else bf16 weights + fp32 master copies.
+        fuse_update_step: use the fused C++ step for supported optimizers.
+        auto_channels_last: lay Conv2d/Conv3d weights out channels-last (default: the level, unless
+            enable_/disable_auto_channels_last() was called).
+        sample_input: a sample batch; used by the inference folding passes to prove Conv/Linear + BN pairs.
+        bf16_compute: None/"auto", "native" or "emulated": how bf16 matmuls are computed (see
+            ipex_train.compute_policy.resolve; None defers to IPEX_TRAIN_BF16_COMPUTE, then the CPU).
+
+    Raises TypeError/ValueError for bad arguments, before anything is modified.
+    """
+    _validate(model, optimizer, dtype, level)
+    flags = _resolve_flags(level, conv_bn_folding=conv_bn_folding, linear_bn_folding=linear_bn_folding,
+                           replace_dropout_with_identity=replace_dropout_with_identity,
+                           split_master_weight_for_bf16=split_master_weight_for_bf16,
+                           fuse_update_step=fuse_update_step, auto_channels_last=auto_channels_last)
+    if dtype == torch.bfloat16 or bf16_compute is not None:
+        from . import compute_policy
+
+        compute_policy.resolve(bf16_compute)  # raises for a bad value before anything changes
+
+    if optimizer is None:
+        if not inplace:
+            model, _ = _copy_model(model)
+        _inference_passes(model, flags, sample_input)
+        _convert(model, dtype, flags, keep_fp32_truth=False)
+        for m in model.modules():
+            params = [p for p in m._parameters.values() if p is not None]
+            if params and all(p.dtype in LOW_PRECISION for p in params) and \
+                    cast_inputs not in m._forward_pre_hooks.values():
+                m.register_forward_pre_hook(cast_inputs)
+        if dtype == torch.bfloat16:
+            _attach_compute_policy(model, bf16_compute)
+        return model
+
+    already = isinstance(optimizer, TrainingOptimizer)
+    if already and inplace:
+        _log.info("ipex_train.optimize: model and optimizer are already optimized; returned unchanged")
+        return model, optimizer
+    if not inplace and any("initial_lr" in g for g in optimizer.param_groups):
+        _log.warning("ipex_train.optimize(inplace=False): an LR scheduler created on the original optimizer keeps "
+                     "driving the original; create it on the returned optimizer, or use inplace=True")
+    param_map = None
+    if not inplace:
+        originals = [p for g in optimizer.param_groups for p in g["params"]]
+        model, memo = _copy_model(model)
+        param_map = {p: memo[id(p)] for p in originals}
+    masters = getattr(model, _ATTR, None)
+    if masters is None:
+        masters = _convert(model, dtype, flags, keep_fp32_truth=True)
+        for p in model.parameters():
+            masters.adopt(p)
+        masters.register_hooks(model)
+        setattr(model, _ATTR, masters)
+        if dtype == torch.bfloat16:
+            _attach_compute_policy(model, bf16_compute)
+    cls = user_class(optimizer)
+    fuse = flags.fuse_update_step and fused_kind(cls) is not None
+    if flags.fuse_update_step and not fuse:
+        _log.info("ipex_train.optimize: %s has no fused step; it runs its own step on fp32 values of the "
+                  "low-precision parameters (slower than SGD/Adam/AdamW/Adagrad/Lamb/Lars)", cls.__name__)
+    return model, training_optimizer(optimizer, masters, fuse, param_map)
