@@ -68,10 +68,21 @@ def _apply_env() -> None:
 _apply_env()
 
 
+def _check_cpu(op: str, args) -> None:
+    # A fake impl also serves as the Meta kernel: refuse real meta tensors (FakeTensors report "cpu").
+    names = [a.name for a in getattr(ops, op).default._schema.arguments]
+    for name, value in zip(names, args):
+        is_list = isinstance(value, (list, tuple))
+        for i, t in enumerate(value if is_list else [value]):
+            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                where = f"{name}[{i}]" if is_list else name
+                raise ValueError(f"ipex_train::{op}: {where} is on {t.device}; kernels_cpu takes CPU tensors only")
+
+
 def _register_fakes() -> None:
-    # The step ops only mutate their inputs, so their fake versions have nothing to compute.
+    # The step ops only mutate their inputs, so their fake versions only check devices.
     for name in ("sgd_step", "adam_step", "adagrad_step", "lamb_step", "lars_step"):
-        torch.library.register_fake(f"ipex_train::{name}")(lambda *args, **kwargs: None)
+        torch.library.register_fake(f"ipex_train::{name}")(lambda *args, _op=name: _check_cpu(_op, args))
 
     @torch.library.register_fake("ipex_train::split_bf16")
     def _split_fake(src):

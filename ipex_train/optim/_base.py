@@ -45,7 +45,7 @@ class FusableOptimizer(torch.optim.Optimizer):
     KIND = ""
 
     def __init__(self, params, defaults: dict[str, Any], fused: bool | None):
-        if fused not in (None, True, False):
+        if fused is not None and not isinstance(fused, bool):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
         defaults = dict(defaults, fused=fused)
         super().__init__(params, defaults)

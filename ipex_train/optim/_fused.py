@@ -86,6 +86,15 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
     params, aux, grads = list(params), list(aux), list(grads)
     if not params:
         return
+    if all(a is None for a in aux):
+        aux = []  # the op's "no aux" form, which torch.compile can functionalize (None inside the list it cannot)
+    elif torch.compiler.is_compiling() and any(a is None for a in aux):
+        # Mixed storage under torch.compile: one call for the plain params, one for the rest (same math).
+        plain = [i for i, a in enumerate(aux) if a is None]
+        rest = [i for i, a in enumerate(aux) if a is not None]
+        for idx in (plain, rest):
+            fused_step(kind, group, state, [params[i] for i in idx], [aux[i] for i in idx], [grads[i] for i in idx])
+        return
     s = state_lists(kind, group, state, params)
     lr = float(group["lr"])
     maximize = bool(group.get("maximize", False))

@@ -95,14 +95,14 @@ T* state(const Chunk& c, int k) {
   return static_cast<T*>(c.state[k]);
 }
 
-// Sums of squares are kept in kLanes independent partial sums: the vectorizer may then use one vector lane per
-// partial sum without reassociating a single float sum (which IEEE semantics forbid).
+// Sums of squares are kept in kLanes independent double partial sums: the vectorizer may then use one vector lane
+// per partial sum without reassociating a single sum (which IEEE semantics forbid), and double neither overflows
+// for |w| > 1.8e19 nor loses digits over a chunk, matching the reference's double norms.
 constexpr int64_t kLanes = 16;
 
-template <class T>
-double lanes_total(const T (&acc)[kLanes]) {
+double lanes_total(const double (&acc)[kLanes]) {
   double s = 0;
-  for (int64_t j = 0; j < kLanes; ++j) s += double(acc[j]);
+  for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
   return s;
 }
 
@@ -181,7 +181,7 @@ struct LambMomentsLoop {
     const auto k = updates::cast<T>(cd);
     T* m = state<T>(c, 0);
     T* v = state<T>(c, 1);
-    T aw[kLanes] = {}, au[kLanes] = {};
+    double aw[kLanes] = {}, au[kLanes] = {};
     const int64_t body = c.n - c.n % kLanes;
     for (int64_t i0 = 0; i0 < body; i0 += kLanes) {
       ITR_LOOP
@@ -192,8 +192,8 @@ struct LambMomentsLoop {
         const T u = updates::lamb_moments<T>(w, st.grad(i), mi, vi, k);
         m[i] = mi;
         v[i] = vi;
-        aw[j] += w * w;
-        au[j] += u * u;
+        aw[j] += double(w) * double(w);
+        au[j] += double(u) * double(u);
       }
     }
     for (int64_t i = body; i < c.n; ++i) {
@@ -202,8 +202,8 @@ struct LambMomentsLoop {
       const T u = updates::lamb_moments<T>(w, st.grad(i), mi, vi, k);
       m[i] = mi;
       v[i] = vi;
-      aw[i - body] += w * w;
-      au[i - body] += u * u;
+      aw[i - body] += double(w) * double(w);
+      au[i - body] += double(u) * double(u);
     }
     *w_sq = lanes_total(aw);
     *u_sq = lanes_total(au);
@@ -232,20 +232,20 @@ struct LarsNormsLoop {
   static void run(const Chunk& c, double* w_sq, double* g_sq) {
     using T = typename L::T;
     const L st(c);
-    T aw[kLanes] = {}, ag[kLanes] = {};
+    double aw[kLanes] = {}, ag[kLanes] = {};
     const int64_t body = c.n - c.n % kLanes;
     for (int64_t i0 = 0; i0 < body; i0 += kLanes) {
       ITR_LOOP
       for (int64_t j = 0; j < kLanes; ++j) {
         const T w = st.load(i0 + j), g = st.grad(i0 + j);
-        aw[j] += w * w;
-        ag[j] += g * g;
+        aw[j] += double(w) * double(w);
+        ag[j] += double(g) * double(g);
       }
     }
     for (int64_t i = body; i < c.n; ++i) {
       const T w = st.load(i), g = st.grad(i);
-      aw[i - body] += w * w;
-      ag[i - body] += g * g;
+      aw[i - body] += double(w) * double(w);
+      ag[i - body] += double(g) * double(g);
     }
     *w_sq = lanes_total(aw);
     *g_sq = lanes_total(ag);

@@ -175,8 +175,10 @@ std::vector<Slot> prepare(const char* op, at::TensorList params, const c10::List
                           at::TensorList grads, const std::vector<StateArg>& states) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n, op, ": got ", n, " params but ", grads.size(), " grads");
-  TORCH_CHECK_VALUE(aux.size() == n, op, ": got ", n, " params but ", aux.size(),
-                    " aux entries (pass None for a parameter without a residual or master)");
+  // An empty aux list means no parameter has one (torch.compile cannot functionalize None inside a mutable list).
+  TORCH_CHECK_VALUE(aux.size() == n || aux.size() == 0, op, ": got ", n, " params but ", aux.size(),
+                    " aux entries (pass one per param, None for a parameter without a residual or master, or an "
+                    "empty list when none has one)");
   for (const auto& s : states)
     TORCH_CHECK_VALUE(s.tensors.size() == n, op, ": got ", n, " params but ", s.tensors.size(), " ", s.name);
   TORCH_CHECK_VALUE(states.size() <= 3, op, ": at most 3 state tensors per parameter");
@@ -186,7 +188,7 @@ std::vector<Slot> prepare(const char* op, at::TensorList params, const c10::List
     Slot& s = slots[i];
     const std::string pname = where("params", i);
     check_cpu_dense(op, params[i], pname);
-    const std::optional<at::Tensor> a = aux.get(i);
+    const std::optional<at::Tensor> a = aux.size() == 0 ? std::nullopt : aux.get(i);
     const at::Tensor aux_t = a.has_value() ? *a : at::Tensor();
     if (aux_t.defined()) {
       check_cpu_dense(op, aux_t, where("aux", i));
@@ -470,6 +472,21 @@ at::Tensor combine_bf16(const at::Tensor& top_in, const at::Tensor& res_in) {
   return out;
 }
 
+// Sparse grads dispatch to the SparseCPU key, before the CPU kernel's own checks could name the argument.
+void reject_sparse(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto args = torch::jit::last(*stack, schema.arguments().size());
+  for (size_t a = 0; a < schema.arguments().size(); ++a) {
+    if (!args[a].isTensorList()) continue;
+    const auto list = args[a].toTensorList();
+    for (size_t i = 0; i < list.size(); ++i)
+      TORCH_CHECK_VALUE(!at::Tensor(list[i]).is_sparse(), schema.name(), ": ", where(schema.arguments()[a].name().c_str(), i),
+                        " is sparse; the fused kernels take dense tensors only (ipex_train.optimize runs sparse "
+                        "grads through the optimizer's own step)");
+  }
+  TORCH_CHECK_VALUE(false, schema.name(), ": sparse tensors are not supported");
+}
+
 }  // namespace
 }  // namespace ipex_train
 
@@ -507,4 +524,9 @@ TORCH_LIBRARY_IMPL(ipex_train, CPU, m) {
   m.impl("lars_step", &ipex_train::lars_step);
   m.impl("split_bf16", &ipex_train::split_bf16);
   m.impl("combine_bf16", &ipex_train::combine_bf16);
+}
+
+TORCH_LIBRARY_IMPL(ipex_train, SparseCPU, m) {
+  for (const char* name : {"sgd_step", "adam_step", "adagrad_step", "lamb_step", "lars_step"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&ipex_train::reject_sparse>());
 }

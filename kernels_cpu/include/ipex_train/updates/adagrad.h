@@ -28,7 +28,7 @@ static inline AdagradCoef<double> adagrad_coef(double lr, double lr_decay, doubl
 template <class T>
 ITR_FN void adagrad(T& w, T g, T& sum, const AdagradCoef<T>& c) {
   g = g * c.grad_sign;
-  g = g + c.weight_decay * w;
+  g = math::select(c.weight_decay != T(0), g + c.weight_decay * w, g);  // torch skips a zero decay (0 * Inf)
   sum = sum + g * g;
   const T std = math::sqrt_(sum) + c.eps;
   w = w - c.clr * (g / std);

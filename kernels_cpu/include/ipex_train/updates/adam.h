@@ -43,7 +43,7 @@ static inline AdamCoef<double> adam_coef(double lr, double beta1, double beta2, 
 template <class T, bool AMSGRAD>
 ITR_FN void adam(T& w, T g, T& m, T& v, T& vmax, const AdamCoef<T>& c) {
   g = g * c.grad_sign;
-  g = g + c.l2 * w;
+  g = math::select(c.l2 != T(0), g + c.l2 * w, g);  // torch skips a zero decay (0 * Inf)
   w = w * c.decay;
   m = math::lerp(m, g, c.one_minus_beta1);
   v = v * c.beta2 + c.one_minus_beta2 * g * g;

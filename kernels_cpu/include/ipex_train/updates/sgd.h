@@ -24,7 +24,7 @@ ITR_FN SgdCoef<T> cast(const SgdCoef<U>& c) {
 template <class T, bool MOMENTUM, bool NESTEROV>
 ITR_FN void sgd(T& w, T g, T& buf, const SgdCoef<T>& c) {
   g = g * c.grad_sign;
-  g = g + c.weight_decay * w;
+  g = math::select(c.weight_decay != T(0), g + c.weight_decay * w, g);  // torch skips a zero decay (0 * Inf)
   if (MOMENTUM) {
     buf = c.buf_keep * buf + c.grad_keep * g;
     g = NESTEROV ? g + c.momentum * buf : buf;

@@ -1,0 +1,225 @@
+"""Inference throughput: eager fp32 vs stock TorchScript + oneDNN Graph fusion vs ipex_train export vs torch.compile.
+
+    python -m benchmarks.bench_inference [--quick] [--json PATH]
+
+Models: ResNet-50 (torchvision, weights=None, 224x224) and a BERT-style encoder (nn.TransformerEncoder, d_model
+768, 12 heads, seq 128), batch 1 and 16. Variants, all measured in the same run on the same inputs:
+
+* eager: model(x) under torch.no_grad();
+* stock_jit: torch.jit.trace + freeze with torch's oneDNN fusion switch on;
+* ipex_train: fold_conv_bn + fold_linear_bn + replace_dropout, channels-last for the CNN (its input converted
+  inside the timed call), then ipex_train.inference.export;
+* compile: torch.compile (skipped with --quick: it takes minutes per model and batch here).
+
+Each time is the median of interleaved repeats after warm-up; throughput is samples/s. A dynamic-shape section
+measures what a shape change costs an exported ResNet-50 (first calls at the new shape, then steady state) with
+torch's global fusion switch off and on. Targets are printed as PASS/FAIL, never asserted.
+"""
+import argparse
+import copy
+import json
+import statistics
+import time
+import warnings
+
+import torch
+import torchvision
+from torch import nn
+
+from ipex_train import inference
+
+RESNET_TARGET = 1.7  # ipex_train export vs eager, ResNet-50 batch 16
+
+
+def _resnet():
+    return torchvision.models.resnet50(weights=None).eval(), (3, 224, 224)
+
+
+def _bert(layers):
+    def make():
+        layer = nn.TransformerEncoderLayer(768, 12, 3072, activation="gelu", batch_first=True)
+        return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval(), (128, 768)
+    return make
+
+
+def _stock_jit(model, x):
+    before = torch.jit.onednn_fusion_enabled()
+    torch.jit.enable_onednn_fusion(True)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated")
+            scripted = torch.jit.freeze(torch.jit.trace(copy.deepcopy(model), x, check_trace=False))
+            for _ in range(2):
+                scripted(x)
+    finally:
+        torch.jit.enable_onednn_fusion(before)
+    return scripted
+
+
+def _channels_last(x):
+    return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+
+
+def _ipex_train(model, x):
+    model = copy.deepcopy(model)
+    sample = x[:1]  # the data-flow check needs one forward pass, not a full batch
+    inference.fold_conv_bn(model, sample_input=sample)
+    inference.fold_linear_bn(model, sample_input=sample)
+    inference.replace_dropout(model)
+    if x.dim() == 4:
+        model = model.to(memory_format=torch.channels_last)
+    scripted = inference.export(model, _channels_last(x), check_trace=False)
+    return lambda inp: scripted(_channels_last(inp))
+
+
+def _compiled(model, x):
+    compiled = torch.compile(copy.deepcopy(model))
+    with torch.no_grad():
+        compiled(x)
+    return compiled
+
+
+def _time_interleaved(fns, x, repeats, warmup):
+    """Median seconds per call for each fn, timing one call of each in turn per repeat (so that drifting load on
+    the shared CPU hits all variants alike), and the relative spread (IQR / median)."""
+    times = {name: [] for name in fns}
+    with torch.no_grad():
+        for fn in fns.values():
+            for _ in range(warmup):
+                fn(x)
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn(x)
+                times[name].append(time.perf_counter() - start)
+    out = {}
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
+        out[name] = {"median_s": statistics.median(ts), "spread": (q[2] - q[0]) / statistics.median(ts)}
+    return out
+
+
+def _case(name, make, batch, args):
+    torch.manual_seed(0)
+    model, shape = make()
+    x = torch.randn((batch,) + shape)
+    builders = {"stock_jit": _stock_jit, "ipex_train": _ipex_train}
+    if not args.quick:
+        builders["compile"] = _compiled
+    fns = {"eager": model}
+    build_s, skipped = {}, {}
+    for variant, build in builders.items():
+        start = time.perf_counter()
+        try:
+            fns[variant] = build(model, x)
+        except Exception as e:  # a variant that does not work here is reported, the others still run
+            skipped[variant] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        build_s[variant] = time.perf_counter() - start
+    if args.quick:
+        skipped["compile"] = "skipped with --quick (torch.compile takes minutes per model and batch here)"
+    with torch.no_grad():
+        ref = model(x)
+        err = {v: (fn(x) - ref).abs().max().item() for v, fn in fns.items() if v != "eager"}
+    repeats = (3 if args.quick else 7) if batch > 1 else (5 if args.quick else 15)
+    timing = _time_interleaved(fns, x, repeats, warmup=1)
+    eager = timing["eager"]["median_s"]
+    variants = {v: {**t, "throughput": batch / t["median_s"], "vs_eager": eager / t["median_s"],
+                    "build_s": build_s.get(v), "max_abs_err": err.get(v)} for v, t in timing.items()}
+    return {"model": name, "batch": batch, "variants": variants, "skipped": skipped}
+
+
+def _dynamic_shapes():
+    """Export ResNet-50 at batch 1, then call it at batch 2: per-call latency of the first calls and the steady
+    state, with torch's global fusion switch off (the fallback runs unfused) and on (the fallback re-specialises)."""
+    torch.manual_seed(0)
+    model, shape = _resnet()
+    x1, x2 = torch.randn((1,) + shape), torch.randn((2,) + shape)
+    before = torch.jit.onednn_fusion_enabled()
+    out = {"eager_b2_s": _time_interleaved({"eager": model}, x2, 5, 1)["eager"]["median_s"]}
+    try:
+        for switch in (False, True):
+            torch.jit.enable_onednn_fusion(switch)
+            run = _ipex_train(model, x1)
+            steady_b1 = _time_interleaved({"b1": run}, x1, 5, 0)["b1"]["median_s"]
+            first_calls = []
+            with torch.no_grad():
+                for _ in range(4):
+                    start = time.perf_counter()
+                    run(x2)
+                    first_calls.append(time.perf_counter() - start)
+            steady_b2 = _time_interleaved({"b2": run}, x2, 5, 0)["b2"]["median_s"]
+            out[f"global_switch_{'on' if switch else 'off'}"] = {
+                "steady_b1_s": steady_b1, "first_calls_b2_s": first_calls, "steady_b2_s": steady_b2}
+    finally:
+        torch.jit.enable_onednn_fusion(before)
+    return out
+
+
+def _verdict(ratio, spread):
+    if ratio >= 1.0:
+        return "PASS"
+    return "PASS (within noise)" if 1.0 - ratio <= spread else "FAIL"
+
+
+def run(args):
+    """Run the benchmark (args.quick: fewer layers/repeats, no torch.compile; args.json: write results there);
+    prints the table and the targets, returns the results dict."""
+    cases = [("resnet50", _resnet)] + [("bert_encoder", _bert(2 if args.quick else 4))]
+    results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "quick": bool(args.quick),
+               "cases": []}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, quick={bool(args.quick)}")
+    print(f"{'model':14s} {'batch':>5s} {'variant':11s} {'samples/s':>10s} {'vs eager':>9s} {'spread':>7s} "
+          f"{'max err':>9s} {'build s':>8s}")
+    for name, make in cases:
+        for batch in (1, 16):
+            case = _case(name, make, batch, args)
+            results["cases"].append(case)
+            for variant, r in case["variants"].items():
+                err = "" if r["max_abs_err"] is None else f"{r['max_abs_err']:.1e}"
+                build = "" if r["build_s"] is None else f"{r['build_s']:.1f}"
+                print(f"{name:14s} {batch:5d} {variant:11s} {r['throughput']:10.2f} {r['vs_eager']:8.2f}x "
+                      f"{r['spread']:6.0%} {err:>9s} {build:>8s}", flush=True)
+            for variant, reason in case["skipped"].items():
+                print(f"{name:14s} {batch:5d} {variant:11s} skipped: {reason}")
+    results["dynamic_shapes"] = dyn = _dynamic_shapes()
+    print(f"\ndynamic shapes (ResNet-50 exported at batch 1, called at batch 2; eager batch 2: "
+          f"{dyn['eager_b2_s'] * 1e3:.0f} ms)")
+    for key in ("global_switch_off", "global_switch_on"):
+        d = dyn[key]
+        print(f"  {key}: steady b1 {d['steady_b1_s'] * 1e3:.0f} ms; b2 calls "
+              f"{', '.join(f'{t * 1e3:.0f}' for t in d['first_calls_b2_s'])} ms; steady b2 {d['steady_b2_s'] * 1e3:.0f} ms")
+
+    print("\ntargets")
+    verdicts = []
+    for case in results["cases"]:
+        v = case["variants"]
+        if "ipex_train" not in v:
+            continue
+        label = f"{case['model']} b{case['batch']}"
+        if case["model"] == "resnet50" and case["batch"] == 16:
+            ratio = v["ipex_train"]["vs_eager"]
+            verdicts.append((f"{label}: ipex_train >= {RESNET_TARGET}x eager", ratio,
+                             "PASS" if ratio >= RESNET_TARGET else "FAIL"))
+        if "stock_jit" in v:
+            ratio = v["stock_jit"]["median_s"] / v["ipex_train"]["median_s"]
+            spread = max(v["stock_jit"]["spread"], v["ipex_train"]["spread"])
+            verdicts.append((f"{label}: ipex_train no slower than stock_jit", ratio, _verdict(ratio, spread)))
+    for text, ratio, verdict in verdicts:
+        print(f"  {verdict:20s} {text} ({ratio:.2f}x)")
+    results["targets"] = [{"target": t, "ratio": r, "verdict": v} for t, r, v in verdicts]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, 2 encoder layers, no torch.compile")
+    parser.add_argument("--json", help="write the results here")
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
