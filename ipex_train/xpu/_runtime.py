@@ -24,6 +24,7 @@ _INCLUDES = {
     "kernel_abi.h": "src/kernel_abi.h",
     "ipex_train/common.h": "include/ipex_train/common.h",
     "ipex_train/convert.h": "include/ipex_train/convert.h",
+    "ipex_train/elementwise.h": "include/ipex_train/elementwise.h",
     **{f"ipex_train/updates/{k}.h": f"include/ipex_train/updates/{k}.h"
        for k in ("adagrad", "adam", "lamb", "lars", "sgd")},
 }

@@ -4,31 +4,9 @@
 
 #include <stdint.h>
 
-#include "ipex_train/updates/adagrad.h"
-#include "ipex_train/updates/adam.h"
-#include "ipex_train/updates/lamb.h"
-#include "ipex_train/updates/lars.h"
-#include "ipex_train/updates/sgd.h"
+#include "ipex_train/elementwise.h"  // Layout, Chunk, the per-element steps
 
 namespace ipex_train {
-
-// How one parameter is stored; chosen per parameter from the dtypes of param, aux and grad.
-enum class Layout : int {
-  kF32 = 0,         // fp32 param, fp32 grad, fp32 state
-  kF64 = 1,         // fp64 param, fp64 grad, fp64 state
-  kSplitBF16 = 2,   // bf16 top (the param), int16 residual (aux), bf16 grad, fp32 state
-  kBF16Master = 3,  // bf16 param, fp32 master (aux), bf16 grad, fp32 state
-  kF16Master = 4,   // fp16 param, fp32 master (aux), fp16 grad, fp32 state
-};
-
-// One contiguous run of elements of one parameter; every pointer is already offset to the run's start.
-struct Chunk {
-  void* param;
-  void* aux;
-  const void* grad;
-  void* state[3];
-  int64_t n;
-};
 
 // Per-ISA entry points. Lamb and Lars run two passes: the first returns sums of squares for the trust ratio.
 struct KernelTable {

@@ -1,11 +1,11 @@
-// The loops: one template per optimizer over the storage layouts, instantiated once per ISA.
+// The CPU loops: how each optimizer walks a chunk, over the storage layouts; the step of one element is
+// ipex_train/elementwise.h (shared with the SYCL kernels).
 //
-// Each isa_*.cpp sets its compiler target, defines ITR_ISA_NS and ITR_TABLE, and includes this file; the
-// compiler vectorizes the loops for that target (the per-element math has no branches the vectorizer cannot
-// if-convert). Everything lives in an anonymous namespace so no function compiled for one ISA can be linked into
-// another's place.
+// Each isa_*.cpp sets its compiler target, defines ITR_ISA_NAME and ITR_TABLE, and includes this file once; the
+// compiler vectorizes the loops for that target (the per-element math is branch-free). Everything is local to the
+// including file (anonymous namespace, IsaTag), so no function compiled for one ISA can be linked into another's
+// place.
 #include "kernel_abi.h"
-#include "ipex_train/convert.h"
 
 // ITR_LOOP tells the compiler that no iteration reads what another one writes (each parameter and its state are
 // separate tensors).
@@ -22,77 +22,17 @@
 namespace ipex_train {
 namespace {
 
-using uint16 = uint16_t;
-
-// Storage layouts: how to read the working value and the grad of element i, and how to write the value back.
-struct F32 {
-  using T = float;
-  float* p;
-  const float* g;
-  explicit F32(const Chunk& c) : p(static_cast<float*>(c.param)), g(static_cast<const float*>(c.grad)) {}
-  T load(int64_t i) const { return p[i]; }
-  T grad(int64_t i) const { return g[i]; }
-  void store(int64_t i, T w) const { p[i] = w; }
-};
-
-struct F64 {
-  using T = double;
-  double* p;
-  const double* g;
-  explicit F64(const Chunk& c) : p(static_cast<double*>(c.param)), g(static_cast<const double*>(c.grad)) {}
-  T load(int64_t i) const { return p[i]; }
-  T grad(int64_t i) const { return g[i]; }
-  void store(int64_t i, T w) const { p[i] = w; }
-};
-
-struct SplitBF16 {
-  using T = float;
-  uint16* top;
-  int16_t* res;
-  const uint16* g;
-  explicit SplitBF16(const Chunk& c)
-      : top(static_cast<uint16*>(c.param)), res(static_cast<int16_t*>(c.aux)), g(static_cast<const uint16*>(c.grad)) {}
-  T load(int64_t i) const { return convert::combine_bf16(top[i], res[i]); }
-  T grad(int64_t i) const { return convert::bf16_to_f32(g[i]); }
-  void store(int64_t i, T w) const {
-    uint16 t;
-    int16_t r;
-    convert::split_bf16(w, t, r);
-    top[i] = t;
-    res[i] = r;
-  }
-};
-
-template <bool HALF>
-struct Master16 {
-  using T = float;
-  uint16* p;
-  float* master;
-  const uint16* g;
-  explicit Master16(const Chunk& c)
-      : p(static_cast<uint16*>(c.param)), master(static_cast<float*>(c.aux)), g(static_cast<const uint16*>(c.grad)) {}
-  T load(int64_t i) const { return master[i]; }
-  T grad(int64_t i) const { return HALF ? convert::f16_to_f32(g[i]) : convert::bf16_to_f32(g[i]); }
-  void store(int64_t i, T w) const {
-    master[i] = w;
-    p[i] = HALF ? convert::f32_to_f16(w) : convert::f32_to_bf16(w);
-  }
-};
+struct IsaTag {};  // makes every storage and element template instantiated here local to this ISA's file
 
 template <template <class> class Loop, class... Args>
 void by_layout(Layout layout, Args&&... args) {
   switch (layout) {
-    case Layout::kF32: return Loop<F32>::run(args...);
-    case Layout::kF64: return Loop<F64>::run(args...);
-    case Layout::kSplitBF16: return Loop<SplitBF16>::run(args...);
-    case Layout::kBF16Master: return Loop<Master16<false>>::run(args...);
-    case Layout::kF16Master: return Loop<Master16<true>>::run(args...);
+    case Layout::kF32: return Loop<storage::F32<IsaTag>>::run(args...);
+    case Layout::kF64: return Loop<storage::F64<IsaTag>>::run(args...);
+    case Layout::kSplitBF16: return Loop<storage::SplitBF16<IsaTag>>::run(args...);
+    case Layout::kBF16Master: return Loop<storage::Master16<IsaTag, false>>::run(args...);
+    case Layout::kF16Master: return Loop<storage::Master16<IsaTag, true>>::run(args...);
   }
-}
-
-template <class T>
-T* state(const Chunk& c, int k) {
-  return static_cast<T*>(c.state[k]);
 }
 
 // Sums of squares are kept in kLanes independent double partial sums: the vectorizer may then use one vector lane
@@ -106,22 +46,27 @@ double lanes_total(const double (&acc)[kLanes]) {
   return s;
 }
 
+// Runs body(i, lane) over the chunk, lane = i % kLanes, in blocks of kLanes the vectorizer can map onto vectors.
+template <class Body>
+void lanes_loop(int64_t n, const Body& body) {
+  const int64_t full = n - n % kLanes;
+  for (int64_t i0 = 0; i0 < full; i0 += kLanes) {
+    ITR_LOOP
+    for (int64_t j = 0; j < kLanes; ++j) body(i0 + j, j);
+  }
+  for (int64_t i = full; i < n; ++i) body(i, i - full);
+}
+
 template <class L>
 struct SgdLoop {
   template <bool MOMENTUM, bool NESTEROV>
   static void go(const Chunk& c, const updates::SgdCoef<double>& cd) {
     using T = typename L::T;
     const L st(c);
+    const auto s = state_of<T>(c);
     const auto k = updates::cast<T>(cd);
-    T* buf = MOMENTUM ? state<T>(c, 0) : nullptr;
     ITR_LOOP
-    for (int64_t i = 0; i < c.n; ++i) {
-      T w = st.load(i);
-      T b = MOMENTUM ? buf[i] : T(0);
-      updates::sgd<T, MOMENTUM, NESTEROV>(w, st.grad(i), b, k);
-      if (MOMENTUM) buf[i] = b;
-      st.store(i, w);
-    }
+    for (int64_t i = 0; i < c.n; ++i) element::sgd<L, MOMENTUM, NESTEROV>(st, s, i, k);
   }
   static void run(const Chunk& c, const updates::SgdCoef<double>& cd, bool momentum, bool nesterov) {
     if (!momentum) return go<false, false>(c, cd);
@@ -135,20 +80,10 @@ struct AdamLoop {
   static void go(const Chunk& c, const updates::AdamCoef<double>& cd) {
     using T = typename L::T;
     const L st(c);
+    const auto s = state_of<T>(c);
     const auto k = updates::cast<T>(cd);
-    T* m = state<T>(c, 0);
-    T* v = state<T>(c, 1);
-    T* vmax = AMSGRAD ? state<T>(c, 2) : nullptr;
     ITR_LOOP
-    for (int64_t i = 0; i < c.n; ++i) {
-      T w = st.load(i);
-      T mi = m[i], vi = v[i], vmi = AMSGRAD ? vmax[i] : T(0);
-      updates::adam<T, AMSGRAD>(w, st.grad(i), mi, vi, vmi, k);
-      m[i] = mi;
-      v[i] = vi;
-      if (AMSGRAD) vmax[i] = vmi;
-      st.store(i, w);
-    }
+    for (int64_t i = 0; i < c.n; ++i) element::adam<L, AMSGRAD>(st, s, i, k);
   }
   static void run(const Chunk& c, const updates::AdamCoef<double>& cd, bool amsgrad) {
     return amsgrad ? go<true>(c, cd) : go<false>(c, cd);
@@ -160,16 +95,10 @@ struct AdagradLoop {
   static void run(const Chunk& c, const updates::AdagradCoef<double>& cd) {
     using T = typename L::T;
     const L st(c);
+    const auto s = state_of<T>(c);
     const auto k = updates::cast<T>(cd);
-    T* sum = state<T>(c, 0);
     ITR_LOOP
-    for (int64_t i = 0; i < c.n; ++i) {
-      T w = st.load(i);
-      T s = sum[i];
-      updates::adagrad<T>(w, st.grad(i), s, k);
-      sum[i] = s;
-      st.store(i, w);
-    }
+    for (int64_t i = 0; i < c.n; ++i) element::adagrad<L>(st, s, i, k);
   }
 };
 
@@ -178,33 +107,15 @@ struct LambMomentsLoop {
   static void run(const Chunk& c, const updates::LambCoef<double>& cd, double* w_sq, double* u_sq) {
     using T = typename L::T;
     const L st(c);
+    const auto s = state_of<T>(c);
     const auto k = updates::cast<T>(cd);
-    T* m = state<T>(c, 0);
-    T* v = state<T>(c, 1);
     double aw[kLanes] = {}, au[kLanes] = {};
-    const int64_t body = c.n - c.n % kLanes;
-    for (int64_t i0 = 0; i0 < body; i0 += kLanes) {
-      ITR_LOOP
-      for (int64_t j = 0; j < kLanes; ++j) {
-        const int64_t i = i0 + j;
-        const T w = st.load(i);
-        T mi = m[i], vi = v[i];
-        const T u = updates::lamb_moments<T>(w, st.grad(i), mi, vi, k);
-        m[i] = mi;
-        v[i] = vi;
-        aw[j] += double(w) * double(w);
-        au[j] += double(u) * double(u);
-      }
-    }
-    for (int64_t i = body; i < c.n; ++i) {
-      const T w = st.load(i);
-      T mi = m[i], vi = v[i];
-      const T u = updates::lamb_moments<T>(w, st.grad(i), mi, vi, k);
-      m[i] = mi;
-      v[i] = vi;
-      aw[i - body] += double(w) * double(w);
-      au[i - body] += double(u) * double(u);
-    }
+    lanes_loop(c.n, [&](int64_t i, int64_t j) {
+      T w, u;
+      element::lamb_moments<L>(st, s, i, k, w, u);
+      aw[j] += double(w) * double(w);
+      au[j] += double(u) * double(u);
+    });
     *w_sq = lanes_total(aw);
     *u_sq = lanes_total(au);
   }
@@ -215,38 +126,23 @@ struct LambApplyLoop {
   static void run(const Chunk& c, const updates::LambCoef<double>& cd) {
     using T = typename L::T;
     const L st(c);
+    const auto s = state_of<T>(c);
     const auto k = updates::cast<T>(cd);
-    const T* m = state<T>(c, 0);
-    const T* v = state<T>(c, 1);
     ITR_LOOP
-    for (int64_t i = 0; i < c.n; ++i) {
-      T w = st.load(i);
-      updates::lamb_apply<T>(w, m[i], v[i], k);
-      st.store(i, w);
-    }
+    for (int64_t i = 0; i < c.n; ++i) element::lamb_apply<L>(st, s, i, k);
   }
 };
 
 template <class L>
 struct LarsNormsLoop {
   static void run(const Chunk& c, double* w_sq, double* g_sq) {
-    using T = typename L::T;
     const L st(c);
     double aw[kLanes] = {}, ag[kLanes] = {};
-    const int64_t body = c.n - c.n % kLanes;
-    for (int64_t i0 = 0; i0 < body; i0 += kLanes) {
-      ITR_LOOP
-      for (int64_t j = 0; j < kLanes; ++j) {
-        const T w = st.load(i0 + j), g = st.grad(i0 + j);
-        aw[j] += double(w) * double(w);
-        ag[j] += double(g) * double(g);
-      }
-    }
-    for (int64_t i = body; i < c.n; ++i) {
-      const T w = st.load(i), g = st.grad(i);
-      aw[i - body] += double(w) * double(w);
-      ag[i - body] += double(g) * double(g);
-    }
+    lanes_loop(c.n, [&](int64_t i, int64_t j) {
+      const double w = st.load(i), g = st.grad(i);
+      aw[j] += w * w;
+      ag[j] += g * g;
+    });
     *w_sq = lanes_total(aw);
     *g_sq = lanes_total(ag);
   }
@@ -257,16 +153,10 @@ struct LarsApplyLoop {
   static void run(const Chunk& c, const updates::LarsCoef<double>& cd) {
     using T = typename L::T;
     const L st(c);
+    const auto s = state_of<T>(c);
     const auto k = updates::cast<T>(cd);
-    T* buf = state<T>(c, 0);
     ITR_LOOP
-    for (int64_t i = 0; i < c.n; ++i) {
-      T w = st.load(i);
-      T b = buf[i];
-      updates::lars<T>(w, st.grad(i), b, k);
-      buf[i] = b;
-      st.store(i, w);
-    }
+    for (int64_t i = 0; i < c.n; ++i) element::lars_apply<L>(st, s, i, k);
   }
 };
 
@@ -284,10 +174,10 @@ void lamb_apply(Layout l, const Chunk& c, const updates::LambCoef<double>& k) { 
 void lars_norms(Layout l, const Chunk& c, double* w_sq, double* g_sq) { by_layout<LarsNormsLoop>(l, c, w_sq, g_sq); }
 void lars_apply(Layout l, const Chunk& c, const updates::LarsCoef<double>& k) { by_layout<LarsApplyLoop>(l, c, k); }
 
-void split_bf16(const float* src, uint16* top, int16_t* residual, int64_t n) {
+void split_bf16(const float* src, uint16_t* top, int16_t* residual, int64_t n) {
   ITR_LOOP
   for (int64_t i = 0; i < n; ++i) {
-    uint16 t;
+    uint16_t t;
     int16_t r;
     convert::split_bf16(src[i], t, r);
     top[i] = t;
@@ -295,7 +185,7 @@ void split_bf16(const float* src, uint16* top, int16_t* residual, int64_t n) {
   }
 }
 
-void combine_bf16(const uint16* top, const int16_t* residual, float* dst, int64_t n) {
+void combine_bf16(const uint16_t* top, const int16_t* residual, float* dst, int64_t n) {
   ITR_LOOP
   for (int64_t i = 0; i < n; ++i) dst[i] = convert::combine_bf16(top[i], residual[i]);
 }
