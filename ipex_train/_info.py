@@ -32,6 +32,7 @@ def info() -> dict:
     from . import compute_policy
 
     features = _ops.cpu_features()
+    policy = compute_policy.info()
     return {
         "ipex_train": __import__("ipex_train").__version__,
         "torch": torch.__version__,
@@ -41,6 +42,7 @@ def info() -> dict:
         "kernel_variant": _ops.kernel_variant(),
         "kernel_variants_supported": _ops.supported_kernel_variants(),
         "threads": torch.get_num_threads(),
-        "bf16_compute_policy": compute_policy.resolve(None),
+        "bf16_compute_policy": policy["bf16_compute"],
+        "bf16_compute_chosen_by": policy["chosen_by"],
         "sycl_available": _sycl_available(),
     }

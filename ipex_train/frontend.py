@@ -12,6 +12,10 @@ its last layer is converted; ``torch.autocast("cpu", dtype=torch.bfloat16)`` aro
 With dtype=bfloat16 the bf16 compute policy (:mod:`ipex_train.compute_policy`) is attached to the model: on
 CPUs without bf16 units bf16 matmuls/convolutions are computed in fp32 from the bf16 operands.
 
+SYCL step (``sycl=True`` or ``IPEX_TRAIN_SYCL=1``, training only): after conversion the model's parameters, the
+residuals/masters and the optimizer state are moved into SYCL USM shared memory (still torch CPU tensors, so the
+model runs as before) and every fused optimizer step runs on :func:`ipex_train.xpu.default_queue`.
+
 Distributed: call optimize() first, then wrap the returned model in DistributedDataParallel (DDP builds its
 gradient buckets from the parameter dtypes). All ranks must start from the same fp32 weights (same seed or the
 same checkpoint): DDP's initial broadcast syncs the bf16 tops, not the residuals.
@@ -27,7 +31,7 @@ from torch import Tensor, nn
 
 from . import _channels_last
 from ._master_weights import LOW_PRECISION, MasterWeights, cast_inputs, convertible_parameters, set_memory_format
-from .optim._wrapper import TrainingOptimizer, fused_kind, training_optimizer, user_class
+from .optim._wrapper import SyclStep, TrainingOptimizer, fused_kind, training_optimizer, user_class
 
 _log = logging.getLogger("ipex_train")
 
@@ -99,6 +103,22 @@ def _validate(model, optimizer, dtype, level) -> None:
                              "model it was returned with, or a fresh optimizer")
 
 
+def _sycl_queue(sycl: bool | None, training: bool):
+    """The dpctl queue the optimizer steps run on, or None. Raises for a bad ``sycl`` (any mode) and, in training,
+    when SYCL is asked for (``sycl=True``, or None with IPEX_TRAIN_SYCL=1) but unavailable."""
+    if sycl is not None and not isinstance(sycl, bool):
+        raise TypeError(f"optimize(): sycl must be True, False or None, got {sycl!r}")
+    if not training or sycl is False:
+        return None
+    from . import xpu  # only here: `import ipex_train` must not load the SYCL runtime
+
+    try:
+        on = xpu.enabled(sycl)
+    except RuntimeError as e:
+        raise RuntimeError(f"optimize(): {e}") from None
+    return xpu.default_queue() if on else None
+
+
 def _copy_model(model: nn.Module) -> tuple[nn.Module, dict[int, object]]:
     """deepcopy of ``model`` and its memo. Non-leaf tensors stored on modules (cached activations) cannot be
     deep-copied; the copy shares them instead."""
@@ -151,7 +171,7 @@ def _inference_passes(model: nn.Module, flags: Flags, sample_input) -> None:
 
 def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_bn_folding=None,
              linear_bn_folding=None, replace_dropout_with_identity=None, split_master_weight_for_bf16=None,
-             fuse_update_step=None, auto_channels_last=None, sample_input=None, bf16_compute=None):
+             fuse_update_step=None, auto_channels_last=None, sample_input=None, bf16_compute=None, sycl=None):
     """Prepare ``model`` (and ``optimizer``) for fast CPU training, or ``model`` alone for inference.
 
     Training (``model.training`` and an optimizer): returns ``(model, optimizer)``; use both in an unchanged
@@ -181,8 +201,16 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         sample_input: a sample batch; used by the inference folding passes to prove Conv/Linear + BN pairs.
         bf16_compute: None/"auto", "native" or "emulated": how bf16 matmuls are computed (see
             ipex_train.compute_policy.resolve; None defers to IPEX_TRAIN_BF16_COMPUTE, then the CPU).
+        sycl: training only. True: keep the parameters, their residuals/masters and the optimizer state in SYCL USM
+            shared memory (torch CPU tensors viewing it; contiguous, so no channels-last weights) and run every
+            fused optimizer step on the dpctl queue of ipex_train.xpu.default_queue() (IPEX_TRAIN_SYCL_DEVICE picks
+            the device). Grads not already in USM are copied into USM buffers before each step; give them USM
+            storage with ipex_train.xpu.usm_grads() and zero_grad(set_to_none=False) to skip that copy. Optimizers
+            without a fused step run their own step on the CPU. Needs dpctl (the ``xpu`` extra). None (default)
+            defers to IPEX_TRAIN_SYCL=1; False turns it off.
 
-    Raises TypeError/ValueError for bad arguments, before anything is modified.
+    Raises TypeError/ValueError for bad arguments, and RuntimeError when SYCL is asked for but unavailable, before
+    anything is modified.
     """
     _validate(model, optimizer, dtype, level)
     flags = _resolve_flags(level, conv_bn_folding=conv_bn_folding, linear_bn_folding=linear_bn_folding,
@@ -193,6 +221,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         from . import compute_policy
 
         compute_policy.resolve(bf16_compute)  # raises for a bad value before anything changes
+    queue = _sycl_queue(sycl, training=optimizer is not None)
 
     if optimizer is None:
         if not inplace:
@@ -229,9 +258,15 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         setattr(model, _ATTR, masters)
         if dtype == torch.bfloat16:
             _attach_compute_policy(model, bf16_compute)
+    if queue is not None:
+        masters.to_usm(model.parameters(), queue)
     cls = user_class(optimizer)
     fuse = flags.fuse_update_step and fused_kind(cls) is not None
     if flags.fuse_update_step and not fuse:
         _log.info("ipex_train.optimize: %s has no fused step; it runs its own step on fp32 values of the "
                   "low-precision parameters (slower than SGD/Adam/AdamW/Adagrad/Lamb/Lars)", cls.__name__)
-    return model, training_optimizer(optimizer, masters, fuse, param_map)
+    if queue is not None and not fuse:
+        _log.info("ipex_train.optimize(sycl=True): without a fused step the optimizer steps on the CPU; the "
+                  "parameters still live in USM shared memory")
+    sycl_step = SyclStep(queue) if queue is not None else None
+    return model, training_optimizer(optimizer, masters, fuse, param_map, sycl_step)

@@ -13,6 +13,9 @@ It is an instance of a subclass of the user's optimizer class, created once per 
   state is restored in fp32 from the checkpoint, and the group dicts keep their identity, so a scheduler created
   on the user's optimizer before optimize(inplace=True) keeps driving it.
 * ``add_param_group``: parameters that are already bf16/fp16 get an fp32 truth.
+
+With ``optimize(sycl=True)`` the fused call is :meth:`SyclStep.fused_step` (the same step on a dpctl SYCL queue)
+instead, and loaded state and added parameters are moved into USM shared memory.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._master_weights import MasterWeights
+from .._master_weights import MasterWeights, in_usm
 from . import _fused
 from .lamb import Lamb
 from .lars import Lars
@@ -74,12 +77,55 @@ def _normalised(entry: dict, p: Tensor, clone: bool) -> dict:
     return out
 
 
+class SyclStep:
+    """The fused step on a dpctl SYCL queue (optimize(sycl=True)): :func:`ipex_train.xpu.fused_step`, which also
+    moves new and loaded state into USM, over the USM-backed params and residuals/masters.
+
+    The kernels refuse memory that is not USM, and autograd allocates new grads with torch's allocator (after
+    ``zero_grad()``, which sets them to None by default). Such grads are copied into a USM staging buffer kept per
+    parameter; grads already in USM (``ipex_train.xpu.usm_grads`` with ``zero_grad(set_to_none=False)``) are used
+    as they are. ``p.grad`` itself is never replaced, so grad hooks, clipping and DDP's bucket views keep the
+    tensors they hold.
+    """
+
+    def __init__(self, queue):
+        self.queue = queue
+        self._staging: dict[Tensor, Tensor] = {}
+
+    def _usm_grad(self, p: Tensor, grad: Tensor) -> Tensor:
+        if in_usm(grad, self.queue):
+            return grad
+        buf = self._staging.get(p)
+        if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
+            from .. import xpu
+
+            buf = self._staging[p] = xpu.usm_tensor(grad.shape, grad.dtype, self.queue)
+        return buf.copy_(grad)
+
+    def fused_step(self, kind: str, group: dict[str, Any], state: dict, params: list[Tensor],
+                   aux: list[Tensor | None], grads: list[Tensor]) -> None:
+        """:func:`_fused.fused_step`'s arguments, run on the queue."""
+        from .. import xpu
+
+        grads = [self._usm_grad(p, g) for p, g in zip(params, grads)]
+        xpu.fused_step(kind, group, state, params, aux, grads, self.queue)
+
+    def state_to_usm(self, entry: dict) -> None:
+        """Move one parameter's optimizer state tensors into USM, in place in ``entry``; the ``step`` counter stays
+        where it is (the host reads it and passes its value to the kernels)."""
+        from .. import xpu
+
+        for key, value in entry.items():
+            if key != "step" and isinstance(value, Tensor) and value.numel() and not in_usm(value, self.queue):
+                entry[key] = xpu.to_usm(value, self.queue)
+
+
 class TrainingOptimizer(torch.optim.Optimizer):
     """Base of the classes :func:`training_optimizer` creates; see the module docstring.
 
     Instance attributes beyond torch's: ``_ipex_masters`` (the model's :class:`MasterWeights`), ``_ipex_fuse``
     (use the fused kernels), ``_ipex_source`` (weak reference to the user's optimizer when it shares this one's
-    groups and state).
+    groups and state), ``_ipex_sycl`` (the :class:`SyclStep` with optimize(sycl=True), else None).
     """
 
     _user_class: type = torch.optim.Optimizer
@@ -101,8 +147,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
                     if p.grad is not None:
                         (unfused if kind is None or p.grad.is_sparse else dense).append(p)
                 if dense:
-                    _fused.fused_step(kind, group, self.state, dense, [aux.get(p) for p in dense],
-                                      [p.grad for p in dense])
+                    step = _fused.fused_step if self._ipex_sycl is None else self._ipex_sycl.fused_step
+                    step(kind, group, self.state, dense, [aux.get(p) for p in dense], [p.grad for p in dense])
             if unfused:
                 self._unfused_step(unfused)
         source = self._ipex_source() if self._ipex_source is not None else None
@@ -146,8 +192,11 @@ class TrainingOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group as torch does; bf16/fp16 parameters without an fp32 truth get one."""
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
+        params = self.param_groups[-1]["params"]
+        for p in params:
             self._ipex_masters.adopt(p)
+        if self._ipex_sycl is not None:
+            self._ipex_masters.to_usm(params, self._ipex_sycl.queue)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, keeping the optimizer state fp32 and the param group dicts the same objects."""
@@ -166,10 +215,14 @@ class TrainingOptimizer(torch.optim.Optimizer):
             p = id_map.get(saved_id)
             if p is not None:
                 state[p] = _normalised(entry, p, clone=False)
+                if self._ipex_sycl is not None:
+                    self._ipex_sycl.state_to_usm(state[p])
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_ipex_masters=self._ipex_masters, _ipex_fuse=self._ipex_fuse, _ipex_source=None)
+        # A SYCL queue does not pickle, and the copy's tensors are not USM: the copy steps on the CPU.
+        state.update(_ipex_masters=self._ipex_masters, _ipex_fuse=self._ipex_fuse, _ipex_source=None,
+                     _ipex_sycl=None)
         return state
 
     def __reduce__(self):
@@ -201,13 +254,13 @@ def user_class(optimizer: torch.optim.Optimizer) -> type:
 
 
 def training_optimizer(optimizer: torch.optim.Optimizer, masters: MasterWeights, fuse: bool,
-                       param_map: dict[Tensor, Tensor] | None) -> TrainingOptimizer:
+                       param_map: dict[Tensor, Tensor] | None, sycl: SyclStep | None = None) -> TrainingOptimizer:
     """The optimizer optimize() returns for ``optimizer``.
 
     ``param_map`` None (inplace): the new optimizer shares the user's param group list and dicts, state and
     hooks, so schedulers and references made before stay valid; existing state is converted to fp32 in place.
     Otherwise its params are ``param_map[p]`` (the model copy's) in copied group dicts, with a copy of the
-    state; the user's optimizer is not modified.
+    state; the user's optimizer is not modified. With ``sycl`` (params already in USM) the state moves into USM.
     """
     cls = training_class(user_class(optimizer))
     new = cls.__new__(cls)
@@ -229,7 +282,11 @@ def training_optimizer(optimizer: torch.optim.Optimizer, masters: MasterWeights,
         new._ipex_source = None
     new._ipex_masters = masters
     new._ipex_fuse = fuse
+    new._ipex_sycl = sycl
     for group in new.param_groups:
         for p in group["params"]:
             masters.adopt(p)
+    if sycl is not None:
+        for entry in new.state.values():
+            sycl.state_to_usm(entry)
     return new

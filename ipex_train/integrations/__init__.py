@@ -1,0 +1,7 @@
+"""Integrations of :func:`ipex_train.optimize` with training frameworks.
+
+Each lives in its own module and imports its framework only when that module is imported, so ``import
+ipex_train`` never needs them:
+
+* :mod:`ipex_train.integrations.accelerate`: HuggingFace Accelerate (``IpexTrainPlugin``).
+"""
