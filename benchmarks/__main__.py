@@ -1,4 +1,4 @@
-"""The benchmark suite: ``python -m benchmarks [--quick] [--out DIR] [--only step,train,inference,xpu]``.
+"""The benchmark suite: ``python -m benchmarks [--quick] [--out DIR] [--only step,train,inference,xpu] [ARGS...]``.
 
 Each benchmark runs in its own process (so one's memory and thread pools never colour another's, and a failing one
 does not stop the rest) and writes JSON; the suite then writes, under ``--out`` (default out/bench):
@@ -28,10 +28,10 @@ BENCHMARKS = {
 }
 
 
-def _run_one(name: str, module: str, quick: bool, out: str) -> dict:
+def _run_one(name: str, module: str, quick: bool, out: str, extra: list[str]) -> dict:
     path = os.path.join(out, f"{name}.json")
     log = os.path.join(out, f"{name}.txt")
-    cmd = [sys.executable, "-m", module, "--json", path] + (["--quick"] if quick else [])
+    cmd = [sys.executable, "-m", module, "--json", path] + (["--quick"] if quick else []) + extra
     print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     with open(log, "w") as f:
@@ -154,13 +154,17 @@ def _machine() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the selected benchmarks, then write the report, summary JSON and plots."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
+        epilog="Arguments the suite does not know are passed on to every selected benchmark, e.g. "
+               "'python -m benchmarks --only step --smoke' (bench_step's seconds-long smoke mode, which the tests "
+               "use) or '--only step --sizes 1M'.")
     parser.add_argument("--quick", action="store_true", help="each benchmark's quick mode (the suite < 10 min)")
     parser.add_argument("--out", default=os.path.join("out", "bench"), help="output folder")
     parser.add_argument("--only", default=None,
                         help=f"comma-separated subset of {','.join(BENCHMARKS)} (default: all; xpu only when a "
                              "SYCL device is available)")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     names = args.only.split(",") if args.only else list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = _machine()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()))
 
-    entries = [_run_one(n, BENCHMARKS[n], args.quick, args.out) for n in names]
+    entries = [_run_one(n, BENCHMARKS[n], args.quick, args.out, extra) for n in names]
     plots = []
     for e in entries:
         if "data" in e and e["name"] in PLOTS:
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# ipex_train benchmark report", "",
              f"Machine: {machine['cpu']}; ISA: {' '.join(machine['isa'])}; {machine['threads']} threads; "
              f"torch {machine['torch']}; kernel variant {machine['kernel_variant']}; bf16 compute policy "
-             f"{machine['bf16_compute_policy']}. Mode: {'quick' if args.quick else 'full'}.", "",
+             f"{machine['bf16_compute_policy']}. Mode: {'quick' if args.quick else 'full'}"
+             f"{''.join(' ' + a for a in extra)}.", "",
              "## Targets", "", "| verdict | target | measured |", "| --- | --- | --- |"]
     for e in entries:
         for verdict, target, value in _targets(e):
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     report = os.path.join(args.out, "report.md")
     with open(report, "w") as f:
         f.write("\n".join(lines) + "\n")
-    summary = {"machine": machine, "quick": args.quick,
+    summary = {"machine": machine, "quick": args.quick, "extra_args": extra,
                "benchmarks": [{k: v for k, v in e.items() if k != "log"} for e in entries]}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

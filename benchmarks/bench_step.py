@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.bench_step [--sizes 10M,50M] [--quick] [--json PATH]
+    python -m benchmarks.bench_step [--sizes 10M,50M] [--quick | --smoke] [--json PATH]
 
 For each optimizer x storage layout at each size (parameters split over ``--tensors`` tensors) it reports the
 median ns/param over the timed steps after warm-up, the GB/s that implies given the minimum bytes the kernel must
@@ -230,22 +230,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default=None, help="comma-separated parameter counts, e.g. 10M,50M "
                    "(default: 10M,50M; 10M with --quick)")
     p.add_argument("--quick", action="store_true", help="fewer repeats, 10M only unless --sizes is given")
+    p.add_argument("--smoke", action="store_true", help="seconds-long plumbing check for tests (200K params, "
+                   "4Mi-element roof, 2 repeats unless given); its numbers mean little")
     p.add_argument("--json", type=Path, help="write machine description, roof and all rows to this file")
     p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(DEFAULT_LAYOUTS))
     p.add_argument("--tensors", type=int, default=4, help="parameters are split over this many tensors")
-    p.add_argument("--repeats", type=int, default=None, help="timed steps per row (default 15; 5 with --quick)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed steps per row (default 15; 5 with --quick, 2 with --smoke)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per row before timing")
-    p.add_argument("--roof-elements", type=parse_size, default=256 * 2**20,
-                   help="elements in each tensor of the add_ roof (default 256Mi = 1 GiB each)")
+    p.add_argument("--roof-elements", type=parse_size, default=None,
+                   help="elements in each tensor of the add_ roof (default 256Mi = 1 GiB each; 4Mi with --smoke)")
     return p
 
 
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark described by ``args`` (as :func:`parser` builds them); print the table and targets, write
     JSON if ``args.json`` is set, and return the same dict."""
-    sizes = [parse_size(s) for s in (args.sizes or ("10M" if args.quick else "10M,50M")).split(",")]
-    args.repeats = args.repeats or (5 if args.quick else 15)
+    default_sizes = "200K" if args.smoke else "10M" if args.quick else "10M,50M"
+    sizes = [parse_size(s) for s in (args.sizes or default_sizes).split(",")]
+    args.repeats = args.repeats or (2 if args.smoke else 5 if args.quick else 15)
+    args.roof_elements = args.roof_elements or (4 * 2**20 if args.smoke else 256 * 2**20)
     info = machine()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items() if k != "isa"))
     print("isa: " + ", ".join(k for k, v in info["isa"].items() if v))
@@ -253,7 +258,7 @@ def run(args: argparse.Namespace) -> dict:
     for opt in args.optimizers:
         print(f"  {opt:<8} " + "  ".join(f"{lay}={bytes_per_element(opt, lay)}" for lay in args.layouts))
 
-    roof_runs = 5 if args.quick else 10
+    roof_runs = 5 if args.quick or args.smoke else 10
     roof = [measure_roof(args.roof_elements, 2, roof_runs)]
     print(f"roof (a.add_(b), {args.roof_elements} fp32 elements each): {roof[0]['gbps']:.2f} GB/s", flush=True)
     print(HEADER)
@@ -275,7 +280,8 @@ def run(args: argparse.Namespace) -> dict:
     for t in checks:
         print(f"  {'PASS' if t['pass'] else 'FAIL'}  {t['target']}  (measured {t['value']:.2f})")
     result = {"machine": info, "settings": {"sizes": sizes, "tensors": args.tensors, "repeats": args.repeats,
-                                            "warmup": args.warmup, "quick": args.quick},
+                                            "warmup": args.warmup, "quick": args.quick,
+                                            "smoke": args.smoke},
               "roof": {"bytes_per_element": ROOF_BYTES_PER_ELEMENT, "runs": roof, "gbps": roof_gbps},
               "results": rows, "targets": checks}
     if args.json:

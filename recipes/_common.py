@@ -96,6 +96,42 @@ def train_loop(name: str, dtype: str, model: torch.nn.Module, optimizer: torch.o
     return result
 
 
+def prepare(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """The variant one run trains: ``ipex_train.optimize(dtype=args.dtype)``, or plain fp32 PyTorch when
+    ``args.vanilla``. Returns (run name, dtype name, model, optimizer, memory format for the inputs)."""
+    import ipex_train
+
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    if args.vanilla:
+        return "torch fp32", "float32", model.to(memory_format=memory_format), optimizer, memory_format
+    model, optimizer = ipex_train.optimize(model, optimizer, dtype=DTYPES[args.dtype],
+                                           auto_channels_last=args.channels_last)
+    return f"ipex_train {args.dtype}", args.dtype, model, optimizer, memory_format
+
+
+def compare(recipe: str, one_run: Callable[[argparse.Namespace], RunResult], args: argparse.Namespace,
+            title: str) -> list[RunResult]:
+    """Run ``one_run`` with ipex_train and, with --compare-fp32, in plain fp32 PyTorch, each in its own process;
+    print the report; write the JSON and the plot when asked. ``one_run`` must be a module-level function (it is
+    pickled into the subprocess) that reads ``args.vanilla``."""
+    results = [run_isolated(one_run, argparse.Namespace(**vars(args), vanilla=False))]
+    if args.compare_fp32:
+        results.append(run_isolated(one_run, argparse.Namespace(**vars(args), vanilla=True)))
+    print()
+    print(report(results))
+    if len(results) == 2:
+        a, b = results[0].accuracy, results[1].accuracy
+        diff = "" if a is None or b is None else f"accuracy {args.dtype} - fp32: {100 * (a - b):+.2f} points; "
+        print(f"\n{diff}step time ratio {results[0].median_step_s / results[1].median_step_s:.2f}x")
+    if args.json:
+        write_json(args.json, results, {"recipe": recipe, "args": vars(args)})
+        print(f"metrics: {os.path.abspath(args.json)}")
+    if args.plot:
+        plot(args.plot, results, title)
+        print(f"plot:    {os.path.abspath(args.plot)}")
+    return results
+
+
 def peak_rss_mib() -> float:
     """Peak resident memory of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -1,0 +1,102 @@
+"""Smoke tests of the recipes and the benchmark suite: each runs for a couple of steps at tiny sizes, in a subprocess,
+exactly as a user starts it, and its JSON and PNG outputs are checked."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+STEPS = 2
+BOTH = ["ipex_train bfloat16", "torch fp32"]
+
+
+def _run(cmd: list[str], timeout: float = 240) -> str:
+    """Run ``python cmd...`` from the repository root; fail with its output unless it exits 0."""
+    # One thread each: the runs are tiny, and the machine may be shared with other jobs.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}:\n"
+                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+def _check_png(path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100, image.shape
+
+
+def _check_losses(losses: list[float]) -> None:
+    assert len(losses) == STEPS
+    assert all(math.isfinite(v) for v in losses), losses
+
+
+RECIPES = [
+    ("digits", ["--image-size", "8"], BOTH),
+    ("resnet50", ["--image-size", "32", "--test-size", "8"], BOTH),
+    # Non-default flags: another optimizer, contiguous layout, fp32 through ipex_train, no comparison run.
+    ("resnet50", ["--image-size", "32", "--test-size", "8", "--optimizer", "lars", "--no-channels-last",
+                  "--dtype", "float32", "--no-compare-fp32"], ["ipex_train float32"]),
+    ("transformer_lamb", ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16", "--test-size", "8"],
+     BOTH),
+]
+
+
+@pytest.mark.parametrize("recipe,flags,runs", RECIPES, ids=[f"{r[0]}-{len(r[2])}run" for r in RECIPES])
+def test_recipe(tmp_path, recipe, flags, runs):
+    metrics, plot = tmp_path / "metrics.json", tmp_path / "plot.png"
+    out = _run(["-m", f"recipes.{recipe}", "--steps", str(STEPS), "--batch-size", "4", "--no-progress",
+                "--json", str(metrics), "--plot", str(plot), *flags])
+    assert "samples/s" in out  # the report table was printed
+    data = json.loads(metrics.read_text())
+    assert data["recipe"] == recipe
+    assert data["machine"]["torch"]
+    assert [r["name"] for r in data["runs"]] == runs
+    for r in data["runs"]:
+        assert r["steps"] == STEPS and r["batch_size"] == 4
+        _check_losses(r["losses"])
+        assert math.isfinite(r["final_loss"])
+        assert len(r["step_times_s"]) == STEPS and all(t > 0 for t in r["step_times_s"])
+        assert r["median_step_ms"] > 0 and r["samples_per_s"] > 0
+        # Each run is its own process, which at least holds torch.
+        assert 50 < r["peak_rss_mib"] < 16 * 1024
+        assert 0.0 <= r["accuracy"] <= 1.0
+    _check_png(plot)
+
+
+def test_accelerate_recipe(tmp_path):
+    pytest.importorskip("accelerate")
+    metrics = tmp_path / "metrics.json"
+    _run(["recipes/accelerate_train.py", "--steps", str(STEPS), "--batch-size", "4", "--grad-accum", "1",
+          "--no-progress", "--json", str(metrics)])
+    data = json.loads(metrics.read_text())
+    assert data["plugin"] is not None and data["dtype"] == "torch.bfloat16"
+    assert data["steps"] == STEPS and data["num_processes"] == 1
+    _check_losses(data["losses"])
+    assert data["median_step_ms"] > 0 and data["samples_per_s"] > 0
+    assert 0.0 <= data["test_accuracy"] <= 1.0
+
+
+def test_benchmark_suite_smoke(tmp_path):
+    out = tmp_path / "bench"
+    _run(["-m", "benchmarks", "--only", "step", "--smoke", "--out", str(out)], timeout=180)
+    report = (out / "report.md").read_text()
+    assert "## Targets" in report
+    assert "| PASS |" in report or "| FAIL |" in report
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["extra_args"] == ["--smoke"]
+    [step] = summary["benchmarks"]
+    assert step["name"] == "step" and step["returncode"] == 0
+    assert step["data"]["settings"]["smoke"] and step["data"]["results"]
+    _check_png(out / "step_roofline.png")
