@@ -16,14 +16,14 @@ struct AdamCoef {
   T beta2;
   T one_minus_beta2;
   T step_size;        // lr / (1 - beta1^step)
-  T bc2_sqrt;         // sqrt(1 - beta2^step)
+  T inv_bc2_sqrt;     // 1 / sqrt(1 - beta2^step): a multiply, not a second divide per element
   T eps;
 };
 
 template <class T, class U>
 ITR_FN AdamCoef<T> cast(const AdamCoef<U>& c) {
   return {T(c.grad_sign), T(c.l2), T(c.decay), T(c.one_minus_beta1), T(c.beta2), T(c.one_minus_beta2),
-          T(c.step_size), T(c.bc2_sqrt), T(c.eps)};
+          T(c.step_size), T(c.inv_bc2_sqrt), T(c.eps)};
 }
 
 // Host-side: the per-parameter coefficients for `step` (computed in double, as torch's Python code does).
@@ -36,7 +36,7 @@ static inline AdamCoef<double> adam_coef(double lr, double beta1, double beta2, 
           beta2,
           1.0 - beta2,
           lr / (1.0 - __builtin_pow(beta1, step)),
-          __builtin_sqrt(1.0 - __builtin_pow(beta2, step)),
+          1.0 / __builtin_sqrt(1.0 - __builtin_pow(beta2, step)),
           eps};
 }
 
@@ -52,7 +52,7 @@ ITR_FN void adam(T& w, T g, T& m, T& v, T& vmax, const AdamCoef<T>& c) {
     vmax = math::maximum(vmax, v);
     second = vmax;
   }
-  const T denom = math::sqrt_(second) / c.bc2_sqrt + c.eps;
+  const T denom = math::sqrt_(second) * c.inv_bc2_sqrt + c.eps;
   w = w - c.step_size * (m / denom);
 }
 
