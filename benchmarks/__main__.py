@@ -59,6 +59,10 @@ def _targets(entry: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}K"
+
+
 def _plot_step(data: dict, out: str) -> list[str]:
     import matplotlib.pyplot as plt
 
@@ -78,7 +82,7 @@ def _plot_step(data: dict, out: str) -> list[str]:
                 ax.annotate(r["optimizer"], (r["bytes_per_element"], r["ns_per_param"]), fontsize=7,
                             xytext=(3, 2), textcoords="offset points")
         ax.set(xlabel="minimum bytes moved per parameter", ylabel="ns per parameter",
-               title=f"optimizer step, {size / 1e6:.0f}M parameters")
+               title=f"optimizer step, {_size(size)} parameters")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -90,7 +94,7 @@ def _plot_step(data: dict, out: str) -> list[str]:
     labels, values = [], []
     for r in rows:
         if r.get("ratio_to_baseline") is not None:
-            labels.append(f"{r['optimizer']}\n{r['layout']}\n{r['size'] / 1e6:.0f}M")
+            labels.append(f"{r['optimizer']}\n{r['layout']}\n{_size(r['size'])}")
             values.append(r["ratio_to_baseline"])
     ax.bar(range(len(values)), values, color="tab:blue")
     ax.axhline(1.0, color="k", linestyle="--", linewidth=1)

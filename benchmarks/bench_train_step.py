@@ -106,7 +106,9 @@ class ModelSpec:
 
 MODELS = {
     "resnet_cnn": ModelSpec(SmallResNet, (16, 3, 64, 64), 0.003, 0.05),
-    "transformer": ModelSpec(Encoder, (8, 128, 512), 0.01, 0.05),
+    # lr 0.002: at 0.01 the fp32 run itself diverges after ~20 steps (its loss rises), and two diverging runs
+    # cannot show whether two numerics agree.
+    "transformer": ModelSpec(Encoder, (8, 128, 512), 0.002, 0.05),
 }
 
 
@@ -211,17 +213,18 @@ def _bf16_emulated(model, lr):
 
 @variant("optimize_bf16")
 def _optimize_bf16(model, lr):
-    # The loop IPEX documents for optimize(dtype=bf16): autocast around the forward, so activations outside
-    # matmul-class ops stay fp32; the compute policy optimize() attaches computes the matmuls in fp32 here.
-    model, optimizer = ipex_train.optimize(model, _optimizer(model.parameters(), lr), dtype=BF16)
-    return _train_step(model, optimizer, autocast=True), torch.float32
-
-
-@variant("optimize_bf16_noautocast")
-def _optimize_bf16_noautocast(model, lr):
-    # The same without autocast: every activation is bf16 (cheaper, but the residual stream is rounded to bf16).
+    # The one-line use: optimize(), then the user's unchanged loop (no autocast): weights bf16 (split), the
+    # activations of converted layers bf16, matmul-class ops computed in fp32 by the compute policy on this CPU.
     model, optimizer = ipex_train.optimize(model, _optimizer(model.parameters(), lr), dtype=BF16)
     return _train_step(model, optimizer), torch.float32
+
+
+@variant("optimize_bf16_autocast")
+def _optimize_bf16_autocast(model, lr):
+    # The loop IPEX documents: autocast around the forward, so activations outside matmul-class ops stay fp32
+    # (autocast's bf16 copies of them are saved for backward beside the fp32 ones: more memory).
+    model, optimizer = ipex_train.optimize(model, _optimizer(model.parameters(), lr), dtype=BF16)
+    return _train_step(model, optimizer, autocast=True), torch.float32
 
 
 @variant("optimize_fp32")
@@ -398,8 +401,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{r['model']}/{r['variant']}: step time {r['ratio_vs_fp32']:.3f}x fp32 (target <= 1.15x); "
                   f"loss vs fp32 over {gap['steps']} steps: mean {100 * gap['mean_rel_diff']:.3f}%, "
                   f"final {100 * gap['final_rel_diff']:.3f}%, max {100 * gap['max_rel_diff']:.3f}% (target < 1% at 50 steps)")
-        if r["variant"] == "optimize_bf16":
-            label = f"{r['model']} optimize(bf16)"
+        if r["variant"] in ("optimize_bf16", "optimize_bf16_autocast"):
+            label = f"{r['model']} {r['variant']}"
             targets.append({"target": f"{label} step time <= 1.15x fp32", "value": r["ratio_vs_fp32"],
                             "pass": r["ratio_vs_fp32"] <= 1.15})
             targets.append({"target": f"{label} peak memory <= fp32 (+MB during run)",
