@@ -51,7 +51,6 @@ import contextlib
 import functools
 import logging
 import os
-import sys
 import threading
 import types
 import weakref

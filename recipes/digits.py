@@ -70,21 +70,11 @@ def make_optimizer(name: str, params, lr: float | None) -> torch.optim.Optimizer
 
 def one_run(args: argparse.Namespace) -> _common.RunResult:
     """Train once: with ipex_train.optimize unless args.vanilla (then plain fp32 PyTorch)."""
-    import ipex_train
-
     torch.manual_seed(args.seed)
     (x_train, y_train), (x_test, y_test) = load_digits(args.seed, args.image_size)
     model = DigitsCNN()
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    if args.vanilla:
-        name, dtype = "torch fp32", "float32"
-        model = model.to(memory_format=memory_format)
-    else:
-        dtype = args.dtype
-        name = f"ipex_train {dtype}"
-        model, optimizer = ipex_train.optimize(model, optimizer, dtype=_common.DTYPES[dtype],
-                                               auto_channels_last=args.channels_last)
+    name, dtype, model, optimizer, memory_format = _common.prepare(args, model, optimizer)
     steps_per_epoch = len(y_train) // args.batch_size
     steps = args.steps or args.epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=optimizer.param_groups[0]["lr"],
@@ -120,21 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"digits: {args.optimizer}, dtype {args.dtype}, batch {args.batch_size}, "
           f"{'steps ' + str(args.steps) if args.steps else str(args.epochs) + ' epochs'}")
-    results = [_common.run_isolated(one_run, argparse.Namespace(**vars(args), vanilla=False))]
-    if args.compare_fp32:
-        results.append(_common.run_isolated(one_run, argparse.Namespace(**vars(args), vanilla=True)))
-    print()
-    print(_common.report(results))
-    if len(results) == 2:
-        a, b = results[0].accuracy, results[1].accuracy
-        print(f"\naccuracy {args.dtype} - fp32: {100 * (a - b):+.2f} points; "
-              f"step time ratio {results[0].median_step_s / results[1].median_step_s:.2f}x")
-    if args.json:
-        _common.write_json(args.json, results, {"recipe": "digits", "args": vars(args)})
-        print(f"metrics: {os.path.abspath(args.json)}")
-    if args.plot:
-        _common.plot(args.plot, results, f"digits CNN, {args.optimizer}, batch {args.batch_size}")
-        print(f"plot:    {os.path.abspath(args.plot)}")
+    _common.compare("digits", one_run, args, f"digits CNN, {args.optimizer}, batch {args.batch_size}")
     return 0
 
 
