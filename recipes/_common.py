@@ -219,6 +219,12 @@ def plot(path: str, results: list[RunResult], title: str) -> None:
     plt.close(fig)
 
 
+def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int):
+    """Warm-up then anneal from the optimizer's lr, so that even a short run ends at a small LR."""
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=optimizer.param_groups[0]["lr"],
+                                               total_steps=total_steps)
+
+
 def cycle(loader_fn: Callable[[], Iterator]) -> Iterator:
     """Endless iterator over epochs of ``loader_fn()``."""
     while True:

@@ -77,8 +77,7 @@ def one_run(args: argparse.Namespace) -> _common.RunResult:
     name, dtype, model, optimizer, memory_format = _common.prepare(args, model, optimizer)
     steps_per_epoch = len(y_train) // args.batch_size
     steps = args.steps or args.epochs * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=optimizer.param_groups[0]["lr"],
-                                                    total_steps=steps)
+    scheduler = _common.one_cycle(optimizer, steps)
     gen = torch.Generator().manual_seed(args.seed + 1)
 
     def epoch():

@@ -54,9 +54,7 @@ def one_run(args: argparse.Namespace) -> _common.RunResult:
     model = torchvision.models.resnet50(weights=None, num_classes=NUM_CLASSES, zero_init_residual=True)
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr or DEFAULT_LR[args.optimizer])
     name, dtype, model, optimizer, memory_format = _common.prepare(args, model, optimizer)
-    # Warm-up then anneal, so that even a short run ends at a small LR.
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=optimizer.param_groups[0]["lr"],
-                                                    total_steps=args.steps)
+    scheduler = _common.one_cycle(optimizer, args.steps)
     gen = torch.Generator().manual_seed(args.seed + 1)  # the same batches in every run
 
     def batches():
