@@ -326,6 +326,66 @@ def test_variants_bit_identical(kind, name, overrides, layout):
             assert torch.equal(bits(a), bits(b)), f"{first} vs {v}: tensor {i} differs"
 
 
+def _in_each_variant(fn) -> dict:
+    before = _ops.kernel_variant()
+    try:
+        out = {}
+        for v in _ops.supported_kernel_variants():
+            _ops.set_kernel_variant(v)
+            out[v] = fn()
+        return out
+    finally:
+        _ops.set_kernel_variant(before)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_every_16bit_grad_converts_alike(dtype):
+    # All 65536 bit patterns of a 16-bit grad (subnormals, Inf, quiet and signaling NaNs with every payload) through
+    # SGD with lr=1 from a zero master: master = 0 - grad exactly, and the param is the store of that. The vector
+    # variants convert with instructions (F16C) or shuffles, the scalar one with convert.h's formulas: same bits.
+    # 65536 is a whole number of vectors and chunks, so this runs in the vector loops, not the per-element tail.
+    grad = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+
+    def run():
+        master = torch.zeros(grad.numel())
+        param = torch.full_like(grad, 3.0)
+        ops.sgd_step([param], [master], [grad], [], [], 1.0, 0.0, 0.0, 0.0, False, False)
+        return master, param
+
+    results = _in_each_variant(run)
+    first = next(iter(results.values()))
+    for v, (master, param) in results.items():
+        assert torch.equal(bits(master), bits(first[0])), f"{v}: master differs"
+        assert torch.equal(bits(param), bits(first[1])), f"{v}: param differs"
+    master, param = first
+    num = ~grad.isnan()
+    expected = torch.zeros(int(num.sum())) - grad[num].float()  # exact widening; 0 - (+0) is +0
+    assert torch.equal(bits(master[num]), bits(expected))
+    assert torch.equal(bits(param[num]), bits(expected.to(dtype)))
+    assert master[~num].isnan().all() and param[~num].isnan().all()
+    quiet_bit = master[~num].view(torch.int32) & 0x00400000
+    assert (quiet_bit != 0).all()  # NaNs come out quiet
+
+
+def test_split_and_combine_bits_alike_in_every_variant():
+    # Every sign/exponent with a spread of mantissas, the ties, and NaNs with payloads, through the split and
+    # combine ops of each variant.
+    gen = torch.Generator().manual_seed(5)
+    hi = torch.arange(0, 1 << 16, dtype=torch.int64) << 16
+    lows = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    rand = torch.randint(0, 1 << 16, (1 << 16,), generator=gen, dtype=torch.int64)
+    words = torch.cat([(hi[:, None] + lows[None, :]).reshape(-1), hi + rand])
+    src = words.to(torch.int32).view(torch.float32)  # wraps to the int32 bit patterns
+
+    results = _in_each_variant(lambda: (*_ops.split_bf16(src), _ops.combine_bf16(*_ops.split_bf16(src))))
+    first = next(iter(results.values()))
+    for v, out in results.items():
+        for a, b, name in zip(out, first, ("top", "residual", "combined")):
+            assert torch.equal(bits(a), bits(b)), f"{v}: {name} differs"
+    num = ~src.isnan()
+    assert torch.equal(bits(first[2][num]), bits(src[num]))
+
+
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 def test_master_store_rounds_like_torch(dtype, variant):
     # The param written from the master must be torch's round-to-nearest-even cast over the whole range:

@@ -6,6 +6,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #endif
 #define ITR_ISA_NAME "avx2"
+#define ITR_SIMD_BYTES 32
 #define ITR_TABLE kAvx2Kernels
 #include "loops.h"
 #if defined(__clang__)

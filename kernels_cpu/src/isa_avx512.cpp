@@ -8,6 +8,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,prefer-vector-width=512")
 #endif
 #define ITR_ISA_NAME "avx512"
+#define ITR_SIMD_BYTES 64
 #define ITR_TABLE kAvx512Kernels
 #include "loops.h"
 #if defined(__clang__)

@@ -1,10 +1,17 @@
 // The CPU loops: how each optimizer walks a chunk, over the storage layouts; the step of one element is
 // ipex_train/elementwise.h (shared with the SYCL kernels).
 //
-// Each isa_*.cpp sets its compiler target, defines ITR_ISA_NAME and ITR_TABLE, and includes this file once; the
-// compiler vectorizes the loops for that target (the per-element math is branch-free). Everything is local to the
-// including file (anonymous namespace, IsaTag), so no function compiled for one ISA can be linked into another's
-// place.
+// Each isa_*.cpp sets its compiler target, defines ITR_ISA_NAME and ITR_TABLE (and ITR_SIMD_BYTES where it has
+// explicit vectors, simd.h), and includes this file once. The fp32-state layouts then run whole vectors through
+// simd.h's access and the remaining elements one at a time, through the very same element code; without
+// ITR_SIMD_BYTES (the scalar file) every element goes one at a time. Everything is local to the including file
+// (anonymous namespace, IsaTag), so no function compiled for one ISA can be linked into another's place.
+#ifdef ITR_SIMD_BYTES
+#include "simd.h"  // before the element code, whose templates call the math overloads it declares
+#endif
+
+#include <type_traits>
+
 #include "kernel_abi.h"
 
 // ITR_LOOP tells the compiler that no iteration reads what another one writes (each parameter and its state are
@@ -24,21 +31,60 @@ namespace {
 
 struct IsaTag {};  // makes every storage and element template instantiated here local to this ISA's file
 
-template <template <class> class Loop, class... Args>
+template <Layout L>
+using ScalarAccess = storage::Scalar<typename std::conditional<L == Layout::kF64, double, float>::type, IsaTag>;
+
+template <class X>
+using StorageOf = typename std::decay<X>::type;
+
+// Calls body(storage, i, coefficients...) for every i of the chunk: whole vectors through simd.h's access where this
+// ISA has one (the fp32-state layouts), then the remaining elements one at a time. The coefficients (double, from
+// the host) are cast once to each working type.
+template <Layout L, class Body, class... Coef>
+void each(const Chunk& c, const Body& body, const Coef&... cd) {
+  const int64_t n = c.n;  // a local: the stores below could otherwise alias c.n and force a reload per iteration
+  int64_t i = 0;
+#ifdef ITR_SIMD_BYTES
+  if constexpr (L != Layout::kF64) {
+    const typename storage::Of<math::vec::Access, L>::type st(c);
+    [&](const auto&... k) {
+      for (; i + math::vec::kVecWidth <= n; i += math::vec::kVecWidth) body(st, i, k...);
+    }(updates::cast<math::vec::FV>(cd)...);
+  }
+#endif
+  using S = typename storage::Of<ScalarAccess<L>, L>::type;
+  const S st(c);
+  [&](const auto&... k) {
+    ITR_LOOP
+    for (; i < n; ++i) body(st, i, k...);
+  }(updates::cast<typename S::T>(cd)...);
+}
+
+template <template <Layout> class Loop, class... Args>
 void by_layout(Layout layout, Args&&... args) {
   switch (layout) {
-    case Layout::kF32: return Loop<storage::F32<IsaTag>>::run(args...);
-    case Layout::kF64: return Loop<storage::F64<IsaTag>>::run(args...);
-    case Layout::kSplitBF16: return Loop<storage::SplitBF16<IsaTag>>::run(args...);
-    case Layout::kBF16Master: return Loop<storage::Master16<IsaTag, false>>::run(args...);
-    case Layout::kF16Master: return Loop<storage::Master16<IsaTag, true>>::run(args...);
+    case Layout::kF32: return Loop<Layout::kF32>::run(args...);
+    case Layout::kF64: return Loop<Layout::kF64>::run(args...);
+    case Layout::kSplitBF16: return Loop<Layout::kSplitBF16>::run(args...);
+    case Layout::kBF16Master: return Loop<Layout::kBF16Master>::run(args...);
+    case Layout::kF16Master: return Loop<Layout::kF16Master>::run(args...);
   }
 }
 
-// Sums of squares are kept in kLanes independent double partial sums: the vectorizer may then use one vector lane
-// per partial sum without reassociating a single sum (which IEEE semantics forbid), and double neither overflows
-// for |w| > 1.8e19 nor loses digits over a chunk, matching the reference's double norms.
+// Sums of squares are kept in kLanes partial sums, element i in lane i % kLanes: every ISA variant then adds the
+// same numbers in the same order (bit-identical norms), a vector adds its lanes without reassociating a single sum
+// (which IEEE semantics forbid), and double neither overflows for |w| > 1.8e19 nor loses digits over a chunk,
+// matching the reference's double norms.
 constexpr int64_t kLanes = 16;
+#ifdef ITR_SIMD_BYTES
+static_assert(kLanes % math::vec::kVecWidth == 0, "a vector must not straddle the partial-sum lanes");
+using math::vec::add_squares;
+#endif
+
+template <class R>
+inline void add_squares(double* lanes, R x) {
+  *lanes += double(x) * double(x);
+}
 
 double lanes_total(const double (&acc)[kLanes]) {
   double s = 0;
@@ -46,27 +92,15 @@ double lanes_total(const double (&acc)[kLanes]) {
   return s;
 }
 
-// Runs body(i, lane) over the chunk, lane = i % kLanes, in blocks of kLanes the vectorizer can map onto vectors.
-template <class Body>
-void lanes_loop(int64_t n, const Body& body) {
-  const int64_t full = n - n % kLanes;
-  for (int64_t i0 = 0; i0 < full; i0 += kLanes) {
-    ITR_LOOP
-    for (int64_t j = 0; j < kLanes; ++j) body(i0 + j, j);
-  }
-  for (int64_t i = full; i < n; ++i) body(i, i - full);
-}
+template <Layout L>
+using RealOf = typename ScalarAccess<L>::Real;
 
-template <class L>
+template <Layout L>
 struct SgdLoop {
   template <bool MOMENTUM, bool NESTEROV>
   static void go(const Chunk& c, const updates::SgdCoef<double>& cd) {
-    using T = typename L::T;
-    const L st(c);
-    const auto s = state_of<T>(c);
-    const auto k = updates::cast<T>(cd);
-    ITR_LOOP
-    for (int64_t i = 0; i < c.n; ++i) element::sgd<L, MOMENTUM, NESTEROV>(st, s, i, k);
+    const auto s = state_of<RealOf<L>>(c);
+    each<L>(c, [&](const auto& st, int64_t i, const auto& k) { element::sgd<MOMENTUM, NESTEROV>(st, s, i, k); }, cd);
   }
   static void run(const Chunk& c, const updates::SgdCoef<double>& cd, bool momentum, bool nesterov) {
     if (!momentum) return go<false, false>(c, cd);
@@ -74,89 +108,71 @@ struct SgdLoop {
   }
 };
 
-template <class L>
+template <Layout L>
 struct AdamLoop {
   template <bool AMSGRAD>
   static void go(const Chunk& c, const updates::AdamCoef<double>& cd) {
-    using T = typename L::T;
-    const L st(c);
-    const auto s = state_of<T>(c);
-    const auto k = updates::cast<T>(cd);
-    ITR_LOOP
-    for (int64_t i = 0; i < c.n; ++i) element::adam<L, AMSGRAD>(st, s, i, k);
+    const auto s = state_of<RealOf<L>>(c);
+    each<L>(c, [&](const auto& st, int64_t i, const auto& k) { element::adam<AMSGRAD>(st, s, i, k); }, cd);
   }
   static void run(const Chunk& c, const updates::AdamCoef<double>& cd, bool amsgrad) {
     return amsgrad ? go<true>(c, cd) : go<false>(c, cd);
   }
 };
 
-template <class L>
+template <Layout L>
 struct AdagradLoop {
   static void run(const Chunk& c, const updates::AdagradCoef<double>& cd) {
-    using T = typename L::T;
-    const L st(c);
-    const auto s = state_of<T>(c);
-    const auto k = updates::cast<T>(cd);
-    ITR_LOOP
-    for (int64_t i = 0; i < c.n; ++i) element::adagrad<L>(st, s, i, k);
+    const auto s = state_of<RealOf<L>>(c);
+    each<L>(c, [&](const auto& st, int64_t i, const auto& k) { element::adagrad(st, s, i, k); }, cd);
   }
 };
 
-template <class L>
+template <Layout L>
 struct LambMomentsLoop {
   static void run(const Chunk& c, const updates::LambCoef<double>& cd, double* w_sq, double* u_sq) {
-    using T = typename L::T;
-    const L st(c);
-    const auto s = state_of<T>(c);
-    const auto k = updates::cast<T>(cd);
+    const auto s = state_of<RealOf<L>>(c);
     double aw[kLanes] = {}, au[kLanes] = {};
-    lanes_loop(c.n, [&](int64_t i, int64_t j) {
-      T w, u;
-      element::lamb_moments<L>(st, s, i, k, w, u);
-      aw[j] += double(w) * double(w);
-      au[j] += double(u) * double(u);
-    });
+    each<L>(
+        c,
+        [&](const auto& st, int64_t i, const auto& k) {
+          typename StorageOf<decltype(st)>::T w, u;
+          element::lamb_moments(st, s, i, k, w, u);
+          add_squares(aw + i % kLanes, w);
+          add_squares(au + i % kLanes, u);
+        },
+        cd);
     *w_sq = lanes_total(aw);
     *u_sq = lanes_total(au);
   }
 };
 
-template <class L>
+template <Layout L>
 struct LambApplyLoop {
   static void run(const Chunk& c, const updates::LambCoef<double>& cd) {
-    using T = typename L::T;
-    const L st(c);
-    const auto s = state_of<T>(c);
-    const auto k = updates::cast<T>(cd);
-    ITR_LOOP
-    for (int64_t i = 0; i < c.n; ++i) element::lamb_apply<L>(st, s, i, k);
+    const auto s = state_of<RealOf<L>>(c);
+    each<L>(c, [&](const auto& st, int64_t i, const auto& k) { element::lamb_apply(st, s, i, k); }, cd);
   }
 };
 
-template <class L>
+template <Layout L>
 struct LarsNormsLoop {
   static void run(const Chunk& c, double* w_sq, double* g_sq) {
-    const L st(c);
     double aw[kLanes] = {}, ag[kLanes] = {};
-    lanes_loop(c.n, [&](int64_t i, int64_t j) {
-      const double w = st.load(i), g = st.grad(i);
-      aw[j] += w * w;
-      ag[j] += g * g;
+    each<L>(c, [&](const auto& st, int64_t i) {
+      add_squares(aw + i % kLanes, st.load(i));
+      add_squares(ag + i % kLanes, st.grad(i));
     });
     *w_sq = lanes_total(aw);
     *g_sq = lanes_total(ag);
   }
 };
 
-template <class L>
+template <Layout L>
 struct LarsApplyLoop {
   static void run(const Chunk& c, const updates::LarsCoef<double>& cd) {
-    using T = typename L::T;
-    const L st(c);
-    const auto s = state_of<T>(c);
-    const auto k = updates::cast<T>(cd);
-    ITR_LOOP
-    for (int64_t i = 0; i < c.n; ++i) element::lars_apply<L>(st, s, i, k);
+    const auto s = state_of<RealOf<L>>(c);
+    each<L>(c, [&](const auto& st, int64_t i, const auto& k) { element::lars_apply(st, s, i, k); }, cd);
   }
 };
 
@@ -174,20 +190,15 @@ void lamb_apply(Layout l, const Chunk& c, const updates::LambCoef<double>& k) { 
 void lars_norms(Layout l, const Chunk& c, double* w_sq, double* g_sq) { by_layout<LarsNormsLoop>(l, c, w_sq, g_sq); }
 void lars_apply(Layout l, const Chunk& c, const updates::LarsCoef<double>& k) { by_layout<LarsApplyLoop>(l, c, k); }
 
+// Split and combine are the split-bf16 layout's store and load, run over a chunk whose param/aux are top/residual.
 void split_bf16(const float* src, uint16_t* top, int16_t* residual, int64_t n) {
-  ITR_LOOP
-  for (int64_t i = 0; i < n; ++i) {
-    uint16_t t;
-    int16_t r;
-    convert::split_bf16(src[i], t, r);
-    top[i] = t;
-    residual[i] = r;
-  }
+  const Chunk c{top, residual, nullptr, {nullptr, nullptr, nullptr}, n};
+  each<Layout::kSplitBF16>(c, [&](const auto& st, int64_t i) { st.store(i, StorageOf<decltype(st)>::get(src, i)); });
 }
 
 void combine_bf16(const uint16_t* top, const int16_t* residual, float* dst, int64_t n) {
-  ITR_LOOP
-  for (int64_t i = 0; i < n; ++i) dst[i] = convert::combine_bf16(top[i], residual[i]);
+  const Chunk c{const_cast<uint16_t*>(top), const_cast<int16_t*>(residual), nullptr, {nullptr, nullptr, nullptr}, n};
+  each<Layout::kSplitBF16>(c, [&](const auto& st, int64_t i) { StorageOf<decltype(st)>::put(dst, i, st.load(i)); });
 }
 
 }  // namespace

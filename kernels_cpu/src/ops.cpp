@@ -321,7 +321,7 @@ void sgd_step(at::TensorList params, const c10::List<std::optional<at::Tensor>>&
   std::vector<updates::SgdCoef<double>> coef(slots.size());
   for (size_t i = 0; i < slots.size(); ++i) {
     const bool fresh = use_momentum && fresh_buffers.get(i);
-    coef[i] = {lr, weight_decay, maximize ? -1.0 : 1.0, momentum, fresh ? 0.0 : momentum, fresh ? 1.0 : 1 - dampening};
+    coef[i] = updates::sgd_coef(lr, momentum, dampening, weight_decay, maximize, fresh);
   }
   int64_t total;
   const auto jobs = jobs_of(slots, &total);

@@ -126,8 +126,7 @@ class Runtime {
     py::gil_scoped_release nogil;
     for (size_t i = 0; i < slots.size(); ++i) {
       const bool f = use_momentum && fresh[i];
-      const updates::SgdCoef<double> c = {lr, weight_decay, maximize ? -1.0 : 1.0, momentum, f ? 0.0 : momentum,
-                                          f ? 1.0 : 1 - dampening};
+      const auto c = updates::sgd_coef(lr, momentum, dampening, weight_decay, maximize, f);
       const std::string name = "itx::sgd<" + layout_arg(slots[i]) + (use_momentum ? ", true" : ", false") +
                                (nesterov ? ", true>" : ", false>");
       launch_coef(slots[i], name, c);

@@ -28,7 +28,7 @@ struct SyclTag {};
 // The layout's accessor (ipex_train/elementwise.h), checked against the bundle's ITX_REAL (a float64 layout in a
 // float bundle would narrow).
 template <int L>
-using Storage = typename storage::Of<SyclTag, Layout(L)>::type;
+using Storage = typename storage::Of<storage::Scalar<real, SyclTag>, Layout(L)>::type;
 
 template <int L>
 static inline Storage<L> storage_of(const Chunk& c) {
@@ -53,33 +53,33 @@ static inline void group_sums(real a, real b, real* partial) {
 template <int L, bool MOMENTUM, bool NESTEROV>
 ITX_KERNEL void sgd(Chunk c, updates::SgdCoef<real> k) {
   const size_t i = global_id();
-  if (i < size_t(c.n)) element::sgd<Storage<L>, MOMENTUM, NESTEROV>(storage_of<L>(c), state_of<real>(c), i, k);
+  if (i < size_t(c.n)) element::sgd<MOMENTUM, NESTEROV>(storage_of<L>(c), state_of<real>(c), i, k);
 }
 
 template <int L, bool AMSGRAD>
 ITX_KERNEL void adam(Chunk c, updates::AdamCoef<real> k) {
   const size_t i = global_id();
-  if (i < size_t(c.n)) element::adam<Storage<L>, AMSGRAD>(storage_of<L>(c), state_of<real>(c), i, k);
+  if (i < size_t(c.n)) element::adam<AMSGRAD>(storage_of<L>(c), state_of<real>(c), i, k);
 }
 
 template <int L>
 ITX_KERNEL void adagrad(Chunk c, updates::AdagradCoef<real> k) {
   const size_t i = global_id();
-  if (i < size_t(c.n)) element::adagrad<Storage<L>>(storage_of<L>(c), state_of<real>(c), i, k);
+  if (i < size_t(c.n)) element::adagrad(storage_of<L>(c), state_of<real>(c), i, k);
 }
 
 template <int L>
 ITX_KERNEL void lamb_moments(Chunk c, updates::LambCoef<real> k, real* partial) {
   const size_t i = global_id();
   real w = 0, u = 0;
-  if (i < size_t(c.n)) element::lamb_moments<Storage<L>>(storage_of<L>(c), state_of<real>(c), i, k, w, u);
+  if (i < size_t(c.n)) element::lamb_moments(storage_of<L>(c), state_of<real>(c), i, k, w, u);
   group_sums(w * w, u * u, partial);
 }
 
 template <int L>
 ITX_KERNEL void lamb_apply(Chunk c, updates::LambCoef<real> k) {
   const size_t i = global_id();
-  if (i < size_t(c.n)) element::lamb_apply<Storage<L>>(storage_of<L>(c), state_of<real>(c), i, k);
+  if (i < size_t(c.n)) element::lamb_apply(storage_of<L>(c), state_of<real>(c), i, k);
 }
 
 template <int L>
@@ -97,22 +97,21 @@ ITX_KERNEL void lars_norms(Chunk c, real* partial) {
 template <int L>
 ITX_KERNEL void lars_apply(Chunk c, updates::LarsCoef<real> k) {
   const size_t i = global_id();
-  if (i < size_t(c.n)) element::lars_apply<Storage<L>>(storage_of<L>(c), state_of<real>(c), i, k);
+  if (i < size_t(c.n)) element::lars_apply(storage_of<L>(c), state_of<real>(c), i, k);
 }
 
 ITX_KERNEL void split_bf16(const float* src, uint16_t* top, int16_t* residual, uint64_t n) {
   const size_t i = global_id();
   if (i >= n) return;
-  uint16_t t;
-  int16_t r;
+  uint32_t t, r;
   convert::split_bf16(src[i], t, r);
-  top[i] = t;
-  residual[i] = r;
+  top[i] = uint16_t(t);
+  residual[i] = int16_t(uint16_t(r));
 }
 
 ITX_KERNEL void combine_bf16(const uint16_t* top, const int16_t* residual, float* dst, uint64_t n) {
   const size_t i = global_id();
-  if (i < n) dst[i] = convert::combine_bf16(top[i], residual[i]);
+  if (i < n) dst[i] = convert::combine_bf16(uint32_t(top[i]), uint32_t(int32_t(residual[i])));
 }
 
 }  // namespace itx

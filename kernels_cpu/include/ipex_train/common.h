@@ -41,12 +41,25 @@ ITR_FN T maximum(T a, T b) {
   return select(a != a, a, select(b != b, b, select(a > b, a, b)));
 }
 
-// torch's lerp formula (aten/src/ATen/native/Lerp.h): the form that is exact at weight 0 or 1. Both forms are
-// computed and one selected, so the loop has no branch.
+// The scalar type of a working type T: T itself, or a CPU vector's lane type (kernels_cpu/src/simd.h adds those).
 template <class T>
-ITR_FN T lerp(T self, T end, T weight) {
+struct ScalarOf {
+  using type = T;
+};
+
+// torch's lerp formula (aten/src/ATen/native/Lerp.h), the form that is exact at weight 0 or 1: self + w * (end -
+// self) for w < 0.5, else end - (end - self) * (1 - w). The optimizers' weights are the same for every element, so
+// the host picks the form once (lerp_low, in the kernel's precision) and the loop has no per-element select.
+template <class T, class U>
+ITR_FN bool lerp_low(U weight) {
+  return typename ScalarOf<T>::type(weight) < typename ScalarOf<T>::type(0.5);
+}
+
+template <class T>
+ITR_FN T lerp(T self, T end, T weight, bool low) {
   const T diff = end - self;
-  return select(weight < T(0.5), self + weight * diff, end - diff * (T(1) - weight));
+  if (low) return self + weight * diff;
+  return end - diff * (T(1) - weight);
 }
 }  // namespace math
 }  // namespace ipex_train

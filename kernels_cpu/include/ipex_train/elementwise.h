@@ -1,9 +1,6 @@
-// One optimizer step of one element, for every storage layout: shared by the CPU loops (kernels_cpu/src/loops.h)
-// and the SYCL kernels (kernels_xpu/rtc/steps.cpp), which differ only in how they walk the elements.
-//
-// Every type here is a template on a Tag that each translation unit makes unique (an anonymous-namespace type on
-// the CPU): the instantiations then have internal linkage, so the copy compiled for one ISA can never be linked
-// into another's place.
+// One optimizer step of one element (or of one CPU vector of elements), for every storage layout: shared by the
+// CPU loops (kernels_cpu/src/loops.h) and the SYCL kernels (kernels_xpu/rtc/steps.cpp), which differ only in how
+// they walk the elements and in the access (storage::Scalar, or kernels_cpu/src/simd.h's vectors) they read with.
 #pragma once
 
 #include "common.h"
@@ -36,147 +33,167 @@ struct Chunk {
 
 namespace storage {
 
-// A layout reads the working value and the grad of element i, and writes a new value back.
-template <class Tag>
-struct F32 {
-  using T = float;
-  float* p;
-  const float* g;
-  explicit F32(const Chunk& c) : p(static_cast<float*>(c.param)), g(static_cast<const float*>(c.grad)) {}
-  T load(int64_t i) const { return p[i]; }
-  T grad(int64_t i) const { return g[i]; }
-  void store(int64_t i, T w) const { p[i] = w; }
+// How a layout reads and writes memory: one element at a time (Scalar, below), or a whole CPU vector at a time
+// (kernels_cpu/src/simd.h, which may use conversion instructions but must give the same bits). T is the working
+// type (a value or a vector of values), Real the scalar type of the fp32/fp64 arrays and of the optimizer state.
+//
+// Tag is a type each translation unit makes unique (an anonymous-namespace type on the CPU): every instantiation
+// then has internal linkage, so the copy compiled for one ISA can never be linked into another's place.
+template <class R, class Tag>
+struct Scalar {
+  using T = R;
+  using Real = R;
+  ITR_FN T get(const R* p, int64_t i) { return p[i]; }
+  ITR_FN void put(R* p, int64_t i, T v) { p[i] = v; }
+  ITR_FN T bf16(const uint16_t* p, int64_t i) { return convert::bf16_to_f32(uint32_t(p[i])); }
+  ITR_FN void put_bf16(uint16_t* p, int64_t i, T v) { p[i] = uint16_t(convert::f32_to_bf16(v)); }
+  ITR_FN T f16(const uint16_t* p, int64_t i) { return convert::f16_to_f32(uint32_t(p[i])); }
+  ITR_FN void put_f16(uint16_t* p, int64_t i, T v) { p[i] = uint16_t(convert::f32_to_f16(v)); }
+  ITR_FN T split(const uint16_t* top, const int16_t* res, int64_t i) {
+    return convert::combine_bf16(uint32_t(top[i]), uint32_t(int32_t(res[i])));
+  }
+  ITR_FN void put_split(uint16_t* top, int16_t* res, int64_t i, T v) {
+    uint32_t t, r;
+    convert::split_bf16(v, t, r);
+    top[i] = uint16_t(t);
+    res[i] = int16_t(uint16_t(r));
+  }
 };
 
-template <class Tag>
-struct F64 {
-  using T = double;
-  double* p;
-  const double* g;
-  explicit F64(const Chunk& c) : p(static_cast<double*>(c.param)), g(static_cast<const double*>(c.grad)) {}
-  T load(int64_t i) const { return p[i]; }
-  T grad(int64_t i) const { return g[i]; }
-  void store(int64_t i, T w) const { p[i] = w; }
+// A layout reads the working value and the grad of element i, and writes a new value back; A is its access.
+template <class A>
+struct Plain : A {  // fp32 or fp64 param and grad, as A::Real
+  using Real = typename A::Real;
+  Real* p;
+  const Real* g;
+  explicit Plain(const Chunk& c) : p(static_cast<Real*>(c.param)), g(static_cast<const Real*>(c.grad)) {}
+  typename A::T load(int64_t i) const { return A::get(p, i); }
+  typename A::T grad(int64_t i) const { return A::get(g, i); }
+  void store(int64_t i, typename A::T w) const { A::put(p, i, w); }
 };
 
-template <class Tag>
-struct SplitBF16 {
-  using T = float;
+template <class A>
+struct SplitBF16 : A {
   uint16_t* top;
   int16_t* res;
   const uint16_t* g;
   explicit SplitBF16(const Chunk& c)
       : top(static_cast<uint16_t*>(c.param)), res(static_cast<int16_t*>(c.aux)), g(static_cast<const uint16_t*>(c.grad)) {}
-  T load(int64_t i) const { return convert::combine_bf16(top[i], res[i]); }
-  T grad(int64_t i) const { return convert::bf16_to_f32(g[i]); }
-  void store(int64_t i, T w) const {
-    uint16_t t;
-    int16_t r;
-    convert::split_bf16(w, t, r);
-    top[i] = t;
-    res[i] = r;
-  }
+  typename A::T load(int64_t i) const { return A::split(top, res, i); }
+  typename A::T grad(int64_t i) const { return A::bf16(g, i); }
+  void store(int64_t i, typename A::T w) const { A::put_split(top, res, i, w); }
 };
 
-template <class Tag, bool HALF>
-struct Master16 {
-  using T = float;
+template <class A, bool HALF>
+struct Master16 : A {
   uint16_t* p;
   float* master;
   const uint16_t* g;
   explicit Master16(const Chunk& c)
       : p(static_cast<uint16_t*>(c.param)), master(static_cast<float*>(c.aux)), g(static_cast<const uint16_t*>(c.grad)) {}
-  T load(int64_t i) const { return master[i]; }
-  T grad(int64_t i) const { return HALF ? convert::f16_to_f32(g[i]) : convert::bf16_to_f32(g[i]); }
-  void store(int64_t i, T w) const {
-    master[i] = w;
-    p[i] = HALF ? convert::f32_to_f16(w) : convert::f32_to_bf16(w);
+  typename A::T load(int64_t i) const { return A::get(master, i); }
+  typename A::T grad(int64_t i) const { return HALF ? A::f16(g, i) : A::bf16(g, i); }
+  void store(int64_t i, typename A::T w) const {
+    A::put(master, i, w);
+    if (HALF) A::put_f16(p, i, w);
+    else A::put_bf16(p, i, w);
   }
 };
 
-template <class Tag, Layout L>
+// The layout L read and written through access A (whose Real must be double for kF64 and float otherwise).
+template <class A, Layout L>
 struct Of;
-template <class Tag>
-struct Of<Tag, Layout::kF32> { using type = F32<Tag>; };
-template <class Tag>
-struct Of<Tag, Layout::kF64> { using type = F64<Tag>; };
-template <class Tag>
-struct Of<Tag, Layout::kSplitBF16> { using type = SplitBF16<Tag>; };
-template <class Tag>
-struct Of<Tag, Layout::kBF16Master> { using type = Master16<Tag, false>; };
-template <class Tag>
-struct Of<Tag, Layout::kF16Master> { using type = Master16<Tag, true>; };
+template <class A>
+struct Of<A, Layout::kF32> { using type = Plain<A>; };
+template <class A>
+struct Of<A, Layout::kF64> { using type = Plain<A>; };
+template <class A>
+struct Of<A, Layout::kSplitBF16> { using type = SplitBF16<A>; };
+template <class A>
+struct Of<A, Layout::kBF16Master> { using type = Master16<A, false>; };
+template <class A>
+struct Of<A, Layout::kF16Master> { using type = Master16<A, true>; };
 
 }  // namespace storage
 
-// The optimizer state arrays of a chunk, in the layout's state type.
-template <class T>
+// The optimizer state arrays of a chunk, in the layout's Real type.
+template <class R>
 struct State {
-  T* s0;
-  T* s1;
-  T* s2;
+  R* s0;
+  R* s1;
+  R* s2;
 };
 
-template <class T>
-ITR_FN State<T> state_of(const Chunk& c) {
-  return {static_cast<T*>(c.state[0]), static_cast<T*>(c.state[1]), static_cast<T*>(c.state[2])};
+template <class R>
+ITR_FN State<R> state_of(const Chunk& c) {
+  return {static_cast<R*>(c.state[0]), static_cast<R*>(c.state[1]), static_cast<R*>(c.state[2])};
 }
 
 // One element's step. S is a storage layout, T its working type; i indexes the chunk.
 namespace element {
 
-template <class S, bool MOMENTUM, bool NESTEROV, class T = typename S::T>
-ITR_FN void sgd(const S& st, const State<T>& s, int64_t i, const updates::SgdCoef<T>& k) {
+// One element's (or one vector's) step. S is a storage layout, S::T its working type; i indexes the chunk.
+template <bool MOMENTUM, bool NESTEROV, class S>
+ITR_FN void sgd(const S& st, const State<typename S::Real>& s, int64_t i, const updates::SgdCoef<typename S::T>& k) {
+  using T = typename S::T;
   T w = st.load(i);
-  T buf = MOMENTUM ? s.s0[i] : T(0);
+  T buf = MOMENTUM ? S::get(s.s0, i) : T(0);
   updates::sgd<T, MOMENTUM, NESTEROV>(w, st.grad(i), buf, k);
-  if (MOMENTUM) s.s0[i] = buf;
+  if (MOMENTUM) S::put(s.s0, i, buf);
   st.store(i, w);
 }
 
-template <class S, bool AMSGRAD, class T = typename S::T>
-ITR_FN void adam(const S& st, const State<T>& s, int64_t i, const updates::AdamCoef<T>& k) {
+template <bool AMSGRAD, class S>
+ITR_FN void adam(const S& st, const State<typename S::Real>& s, int64_t i, const updates::AdamCoef<typename S::T>& k) {
+  using T = typename S::T;
   T w = st.load(i);
-  T m = s.s0[i], v = s.s1[i], vmax = AMSGRAD ? s.s2[i] : T(0);
+  T m = S::get(s.s0, i), v = S::get(s.s1, i), vmax = AMSGRAD ? S::get(s.s2, i) : T(0);
   updates::adam<T, AMSGRAD>(w, st.grad(i), m, v, vmax, k);
-  s.s0[i] = m;
-  s.s1[i] = v;
-  if (AMSGRAD) s.s2[i] = vmax;
+  S::put(s.s0, i, m);
+  S::put(s.s1, i, v);
+  if (AMSGRAD) S::put(s.s2, i, vmax);
   st.store(i, w);
 }
 
-template <class S, class T = typename S::T>
-ITR_FN void adagrad(const S& st, const State<T>& s, int64_t i, const updates::AdagradCoef<T>& k) {
+template <class S>
+ITR_FN void adagrad(const S& st, const State<typename S::Real>& s, int64_t i,
+                    const updates::AdagradCoef<typename S::T>& k) {
+  using T = typename S::T;
   T w = st.load(i);
-  T sum = s.s0[i];
+  T sum = S::get(s.s0, i);
   updates::adagrad<T>(w, st.grad(i), sum, k);
-  s.s0[i] = sum;
+  S::put(s.s0, i, sum);
   st.store(i, w);
 }
 
 // Lamb's first pass: updates the moments; w and u (the update direction) feed the caller's sums of squares.
 template <class S, class T = typename S::T>
-ITR_FN void lamb_moments(const S& st, const State<T>& s, int64_t i, const updates::LambCoef<T>& k, T& w, T& u) {
+ITR_FN void lamb_moments(const S& st, const State<typename S::Real>& s, int64_t i, const updates::LambCoef<T>& k, T& w,
+                         T& u) {
   w = st.load(i);
-  T m = s.s0[i], v = s.s1[i];
+  T m = S::get(s.s0, i), v = S::get(s.s1, i);
   u = updates::lamb_moments<T>(w, st.grad(i), m, v, k);
-  s.s0[i] = m;
-  s.s1[i] = v;
+  S::put(s.s0, i, m);
+  S::put(s.s1, i, v);
 }
 
-template <class S, class T = typename S::T>
-ITR_FN void lamb_apply(const S& st, const State<T>& s, int64_t i, const updates::LambCoef<T>& k) {
+template <class S>
+ITR_FN void lamb_apply(const S& st, const State<typename S::Real>& s, int64_t i,
+                       const updates::LambCoef<typename S::T>& k) {
+  using T = typename S::T;
   T w = st.load(i);
-  updates::lamb_apply<T>(w, s.s0[i], s.s1[i], k);
+  updates::lamb_apply<T>(w, S::get(s.s0, i), S::get(s.s1, i), k);
   st.store(i, w);
 }
 
-template <class S, class T = typename S::T>
-ITR_FN void lars_apply(const S& st, const State<T>& s, int64_t i, const updates::LarsCoef<T>& k) {
+template <class S>
+ITR_FN void lars_apply(const S& st, const State<typename S::Real>& s, int64_t i,
+                       const updates::LarsCoef<typename S::T>& k) {
+  using T = typename S::T;
   T w = st.load(i);
-  T buf = s.s0[i];
+  T buf = S::get(s.s0, i);
   updates::lars<T>(w, st.grad(i), buf, k);
-  s.s0[i] = buf;
+  S::put(s.s0, i, buf);
   st.store(i, w);
 }
 

@@ -13,22 +13,23 @@ struct AdagradCoef {
   T weight_decay;
   T clr;  // lr / (1 + (step - 1) * lr_decay)
   T eps;
+  bool decay;  // weight_decay != 0 (torch skips a zero decay); uniform, so a branch
 };
 
 template <class T, class U>
 ITR_FN AdagradCoef<T> cast(const AdagradCoef<U>& c) {
-  return {T(c.grad_sign), T(c.weight_decay), T(c.clr), T(c.eps)};
+  return {T(c.grad_sign), T(c.weight_decay), T(c.clr), T(c.eps), c.decay};
 }
 
 static inline AdagradCoef<double> adagrad_coef(double lr, double lr_decay, double weight_decay, double eps,
                                                bool maximize, double step) {
-  return {maximize ? -1.0 : 1.0, weight_decay, lr / (1.0 + (step - 1.0) * lr_decay), eps};
+  return {maximize ? -1.0 : 1.0, weight_decay, lr / (1.0 + (step - 1.0) * lr_decay), eps, weight_decay != 0.0};
 }
 
 template <class T>
 ITR_FN void adagrad(T& w, T g, T& sum, const AdagradCoef<T>& c) {
   g = g * c.grad_sign;
-  g = math::select(c.weight_decay != T(0), g + c.weight_decay * w, g);  // torch skips a zero decay (0 * Inf)
+  if (c.decay) g = g + c.weight_decay * w;
   sum = sum + g * g;
   const T std = math::sqrt_(sum) + c.eps;
   w = w - c.clr * (g / std);

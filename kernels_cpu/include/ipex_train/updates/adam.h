@@ -18,12 +18,14 @@ struct AdamCoef {
   T step_size;        // lr / (1 - beta1^step)
   T inv_bc2_sqrt;     // 1 / sqrt(1 - beta2^step): a multiply, not a second divide per element
   T eps;
+  bool l2_on;       // l2 != 0 (torch skips a zero decay, 0 * Inf); uniform, so a branch
+  bool lerp_low;    // which of torch's two lerp forms the (uniform) weight one_minus_beta1 takes
 };
 
 template <class T, class U>
 ITR_FN AdamCoef<T> cast(const AdamCoef<U>& c) {
   return {T(c.grad_sign), T(c.l2), T(c.decay), T(c.one_minus_beta1), T(c.beta2), T(c.one_minus_beta2),
-          T(c.step_size), T(c.inv_bc2_sqrt), T(c.eps)};
+          T(c.step_size), T(c.inv_bc2_sqrt), T(c.eps), c.l2_on, math::lerp_low<T>(c.one_minus_beta1)};
 }
 
 // Host-side: the per-parameter coefficients for `step` (computed in double, as torch's Python code does).
@@ -37,15 +39,17 @@ static inline AdamCoef<double> adam_coef(double lr, double beta1, double beta2, 
           1.0 - beta2,
           lr / (1.0 - __builtin_pow(beta1, step)),
           1.0 / __builtin_sqrt(1.0 - __builtin_pow(beta2, step)),
-          eps};
+          eps,
+          !decoupled && weight_decay != 0.0,
+          math::lerp_low<double>(1.0 - beta1)};  // cast<float> decides it again in float
 }
 
 template <class T, bool AMSGRAD>
 ITR_FN void adam(T& w, T g, T& m, T& v, T& vmax, const AdamCoef<T>& c) {
   g = g * c.grad_sign;
-  g = math::select(c.l2 != T(0), g + c.l2 * w, g);  // torch skips a zero decay (0 * Inf)
+  if (c.l2_on) g = g + c.l2 * w;
   w = w * c.decay;
-  m = math::lerp(m, g, c.one_minus_beta1);
+  m = math::lerp(m, g, c.one_minus_beta1, c.lerp_low);
   v = v * c.beta2 + c.one_minus_beta2 * g * g;
   T second = v;
   if (AMSGRAD) {

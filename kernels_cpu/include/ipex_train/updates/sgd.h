@@ -14,17 +14,25 @@ struct SgdCoef {
   T momentum;
   T buf_keep;   // momentum, or 0 on the step that creates the buffer
   T grad_keep;  // 1 - dampening, or 1 on the step that creates the buffer (torch clones the grad there)
+  bool decay;   // weight_decay != 0: torch skips a zero decay (0 * Inf would be NaN); uniform, so a branch
 };
 
 template <class T, class U>
 ITR_FN SgdCoef<T> cast(const SgdCoef<U>& c) {
-  return {T(c.lr), T(c.weight_decay), T(c.grad_sign), T(c.momentum), T(c.buf_keep), T(c.grad_keep)};
+  return {T(c.lr), T(c.weight_decay), T(c.grad_sign), T(c.momentum), T(c.buf_keep), T(c.grad_keep), c.decay};
+}
+
+// Host-side: fresh marks the step that creates the momentum buffer.
+static inline SgdCoef<double> sgd_coef(double lr, double momentum, double dampening, double weight_decay,
+                                       bool maximize, bool fresh) {
+  return {lr, weight_decay, maximize ? -1.0 : 1.0, momentum, fresh ? 0.0 : momentum, fresh ? 1.0 : 1.0 - dampening,
+          weight_decay != 0.0};
 }
 
 template <class T, bool MOMENTUM, bool NESTEROV>
 ITR_FN void sgd(T& w, T g, T& buf, const SgdCoef<T>& c) {
   g = g * c.grad_sign;
-  g = math::select(c.weight_decay != T(0), g + c.weight_decay * w, g);  // torch skips a zero decay (0 * Inf)
+  if (c.decay) g = g + c.weight_decay * w;
   if (MOMENTUM) {
     buf = c.buf_keep * buf + c.grad_keep * g;
     g = NESTEROV ? g + c.momentum * buf : buf;
