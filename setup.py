@@ -24,7 +24,10 @@ ext = CppExtension(
     include_dirs=[os.path.join(HERE, "kernels_cpu", "include"), os.path.join(HERE, "kernels_cpu", "src")],
     # -ffp-contract=off: no fused multiply-adds the source did not ask for, so every ISA variant rounds alike.
     # -fno-math-errno: lets sqrt vectorize (errno is never read).
-    extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off"],
+    # -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is built with
+    # OpenMP (torch's own OpenMP runtime is the one linked).
+    extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
 )
 
 setup(
