@@ -172,6 +172,7 @@ class MasterWeights:
     def sync_grads(self):
         for p, m in self.pairs:
             m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None  # the optimizer zeroes only the masters' grads: the bf16 ones would accumulate
 
     def sync_params(self, *_):
         with torch.no_grad():
