@@ -3,8 +3,9 @@
 // ipex_train/updates/*.h and convert.h the operators it uses, so those very lines run kVecWidth elements at a time;
 // Access is the storage access (ipex_train/elementwise.h) that reads and writes whole vectors.
 //
-// Why not leave it to the auto-vectorizer: GCC vectorized the scalar loops, but packed and unpacked the 16-bit
-// layouts badly and kept the step compute-bound on AVX2 (split-bf16 AdamW ran at ~55% of the memory roof).
+// Why not leave it to the auto-vectorizer: GCC did vectorize the scalar loops, but its 16-bit packing and unpacking
+// were slow. With these vectors (and uniform branches for the lerp form and weight decay) a compute-bound, in-cache
+// split-bf16 Adam step went from 1.12 to 0.85 ns per element on one Zen 3 core, the fp32 one from 0.73 to 0.40.
 //
 // Built on GCC/Clang vector extensions; everything sits in an anonymous namespace, so each ISA file has its own copy.
 #pragma once
@@ -50,9 +51,7 @@ struct FV {
   friend ITR_VF FV operator-(FV a, FV b) { return of(a.v - b.v); }
   friend ITR_VF FV operator*(FV a, FV b) { return of(a.v * b.v); }
   friend ITR_VF FV operator/(FV a, FV b) { return of(a.v / b.v); }
-  friend ITR_VF Mask operator==(FV a, FV b) { return {a.v == b.v}; }
   friend ITR_VF Mask operator!=(FV a, FV b) { return {a.v != b.v}; }  // true for NaN lanes, as for float
-  friend ITR_VF Mask operator<(FV a, FV b) { return {a.v < b.v}; }
   friend ITR_VF Mask operator>(FV a, FV b) { return {a.v > b.v}; }
 };
 
@@ -98,7 +97,6 @@ ITR_V V load_bytes(const P* p) {
   return v;
 }
 
-
 }  // namespace vec
 }  // namespace
 
@@ -125,7 +123,7 @@ namespace {
 namespace vec {
 
 // Lane-wise 16 <-> 32-bit moves. widen_u16/widen_i16 zero-/sign-extend kVecWidth 16-bit values from memory;
-// narrow_u16 stores the low halves of lanes that already fit in 16 unsigned bits.
+// narrow_u16 stores lanes that must already fit in 16 unsigned bits (the AVX2 pack saturates).
 #if ITR_SIMD_BYTES == 64
 ITR_V UV widen_u16(const void* p) { return UV::of(reinterpret_cast<vu>(_mm512_cvtepu16_epi32(load_bytes<__m256i>(p)))); }
 ITR_V UV widen_i16(const void* p) { return UV::of(reinterpret_cast<vu>(_mm512_cvtepi16_epi32(load_bytes<__m256i>(p)))); }
@@ -177,7 +175,7 @@ struct Access {
     const Mask nan = v != v;
 #if ITR_SIMD_BYTES == 64
     narrow_u16(top + i, select(nan, (u >> 16) | 0x0040u, (u + 0x8000u) >> 16));
-    narrow_u16(res + i, select(nan, 0u, u));  // vpmovdw keeps the low halves
+    narrow_u16(res + i, select(nan, 0u, u & 0xFFFFu));
 #else
     // Lanes of [residual | top << 16] by a word blend, then one byte shuffle and one qword permute put the eight
     // residuals in the low 128 bits and the eight tops in the high 128 bits.
