@@ -263,16 +263,19 @@ struct Job {
   int64_t slot, begin, n;
 };
 
-std::vector<Job> jobs_of(const std::vector<Slot>& slots, int64_t* total) {
+// The chunks of slots [first, last), with their element count in *total.
+std::vector<Job> jobs_of(const std::vector<Slot>& slots, size_t first, size_t last, int64_t* total) {
   std::vector<Job> jobs;
   *total = 0;
-  for (size_t i = 0; i < slots.size(); ++i) {
+  for (size_t i = first; i < last; ++i) {
     const int64_t numel = slots[i].param.numel();
     *total += numel;
     for (int64_t b = 0; b < numel; b += kChunk) jobs.push_back({int64_t(i), b, std::min(kChunk, numel - b)});
   }
   return jobs;
 }
+
+std::vector<Job> jobs_of(const std::vector<Slot>& slots, int64_t* total) { return jobs_of(slots, 0, slots.size(), total); }
 
 // Runs fn(slot, chunk, job index) over every chunk of the group on torch's thread pool.
 template <class Fn>
@@ -370,16 +373,33 @@ void adagrad_step(at::TensorList params, const c10::List<std::optional<at::Tenso
   write_back(slots);
 }
 
-// Per-parameter norms from per-chunk partial sums, added in chunk order so the result does not depend on threads.
-std::vector<std::pair<double, double>> norms_of(size_t nslots, const std::vector<Job>& jobs,
-                                                const std::vector<double>& partial) {
-  std::vector<std::pair<double, double>> sq(nslots, {0.0, 0.0});
-  for (size_t j = 0; j < jobs.size(); ++j) {
-    sq[jobs[j].slot].first += partial[2 * j];
-    sq[jobs[j].slot].second += partial[2 * j + 1];
+// Lamb and Lars: a first pass that returns two sums of squares per chunk, then, once each parameter's norms are
+// known (ready(slot, norm_a, norm_b)), a second pass that updates it. Parameters go in batches of at least
+// kTwoPassBatch elements (a large one alone), and a batch's second pass follows its first at once, walking the chunks
+// backwards: it starts on the data the first pass touched last, which is still in the last-level cache. Norms are
+// added in chunk order, so they do not depend on the thread count.
+constexpr int64_t kTwoPassBatch = 1 << 20;
+
+template <class First, class Ready, class Second>
+void two_passes(const std::vector<Slot>& slots, const First& first, const Ready& ready, const Second& second) {
+  for (size_t begin = 0, end; begin < slots.size(); begin = end) {
+    int64_t n = 0;
+    for (end = begin; end < slots.size() && n < kTwoPassBatch; ++end) n += slots[end].param.numel();
+    int64_t total;
+    const auto jobs = jobs_of(slots, begin, end, &total);
+    std::vector<double> partial(2 * jobs.size());
+    for_each_chunk(slots, jobs, total, [&](int64_t i, const Chunk& c, int64_t j) {
+      first(i, c, &partial[2 * j], &partial[2 * j + 1]);
+    });
+    std::vector<std::pair<double, double>> sq(end - begin, {0.0, 0.0});
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      sq[jobs[j].slot - begin].first += partial[2 * j];
+      sq[jobs[j].slot - begin].second += partial[2 * j + 1];
+    }
+    for (size_t i = begin; i < end; ++i) ready(i, std::sqrt(sq[i - begin].first), std::sqrt(sq[i - begin].second));
+    const std::vector<Job> backwards(jobs.rbegin(), jobs.rend());
+    for_each_chunk(slots, backwards, total, [&](int64_t i, const Chunk& c, int64_t) { second(i, c); });
   }
-  for (auto& p : sq) p = {std::sqrt(p.first), std::sqrt(p.second)};
-  return sq;
 }
 
 void lamb_step(at::TensorList params, const c10::List<std::optional<at::Tensor>>& aux, at::TensorList grads,
@@ -391,18 +411,12 @@ void lamb_step(at::TensorList params, const c10::List<std::optional<at::Tensor>>
   std::vector<updates::LambCoef<double>> coef(slots.size());
   for (size_t i = 0; i < slots.size(); ++i)
     coef[i] = updates::lamb_coef(beta1, beta2, eps, weight_decay, bias_correction, step_of(op, state_steps, i));
-  int64_t total;
-  const auto jobs = jobs_of(slots, &total);
   const KernelTable& k = kernels();
-  std::vector<double> partial(2 * jobs.size());
-  for_each_chunk(slots, jobs, total, [&](int64_t i, const Chunk& c, int64_t j) {
-    k.lamb_moments(slots[i].layout, c, coef[i], &partial[2 * j], &partial[2 * j + 1]);
-  });
-  const auto norms = norms_of(slots.size(), jobs, partial);
-  for (size_t i = 0; i < slots.size(); ++i)
-    coef[i].lr_trust = lr * updates::lamb_trust_ratio(norms[i].first, norms[i].second);
-  for_each_chunk(slots, jobs, total,
-                 [&](int64_t i, const Chunk& c, int64_t) { k.lamb_apply(slots[i].layout, c, coef[i]); });
+  two_passes(
+      slots,
+      [&](int64_t i, const Chunk& c, double* w_sq, double* u_sq) { k.lamb_moments(slots[i].layout, c, coef[i], w_sq, u_sq); },
+      [&](size_t i, double w_norm, double u_norm) { coef[i].lr_trust = lr * updates::lamb_trust_ratio(w_norm, u_norm); },
+      [&](int64_t i, const Chunk& c) { k.lamb_apply(slots[i].layout, c, coef[i]); });
   write_back(slots);
 }
 
@@ -411,20 +425,14 @@ void lars_step(at::TensorList params, const c10::List<std::optional<at::Tensor>>
                double epsilon) {
   const char* op = "ipex_train::lars_step";
   auto slots = prepare(op, params, aux, grads, {{"momentum_buffers", momentum_buffers}});
-  int64_t total;
-  const auto jobs = jobs_of(slots, &total);
   const KernelTable& k = kernels();
-  std::vector<double> partial(2 * jobs.size());
-  for_each_chunk(slots, jobs, total, [&](int64_t i, const Chunk& c, int64_t j) {
-    k.lars_norms(slots[i].layout, c, &partial[2 * j], &partial[2 * j + 1]);
-  });
-  const auto norms = norms_of(slots.size(), jobs, partial);
   std::vector<updates::LarsCoef<double>> coef(slots.size());
-  for (size_t i = 0; i < slots.size(); ++i)
-    coef[i] = {momentum, weight_decay,
-               lr * updates::lars_local_lr(norms[i].first, norms[i].second, eeta, weight_decay, epsilon)};
-  for_each_chunk(slots, jobs, total,
-                 [&](int64_t i, const Chunk& c, int64_t) { k.lars_apply(slots[i].layout, c, coef[i]); });
+  two_passes(
+      slots, [&](int64_t i, const Chunk& c, double* w_sq, double* g_sq) { k.lars_norms(slots[i].layout, c, w_sq, g_sq); },
+      [&](size_t i, double w_norm, double g_norm) {
+        coef[i] = {momentum, weight_decay, lr * updates::lars_local_lr(w_norm, g_norm, eeta, weight_decay, epsilon)};
+      },
+      [&](int64_t i, const Chunk& c) { k.lars_apply(slots[i].layout, c, coef[i]); });
   write_back(slots);
 }
 
