@@ -286,6 +286,16 @@ def test_all_zero_params_and_grads_stay_zero(kind, layout, variant):
             assert torch.all(s == group["initial_accumulator_value"])
 
 
+@pytest.mark.parametrize("layout", ("fp32", "split_bf16"))
+@pytest.mark.parametrize("kind", ("lamb", "lars"))
+def test_two_pass_batches_match_reference(kind, layout):
+    # Lamb and Lars run their two passes per batch of about 2^20 elements (ops.cpp, two_passes): these shapes make
+    # a batch of two large params, then one of a tiny and a large one, then a last small one.
+    shapes = ((600_000,), (700_000,), (10,), (1_100_000,), (3, 5))
+    run_case(kind, "default" if kind == "lars" else "bias_correction", {}, layout, steps=2,
+             shapes=shapes).check_against_reference()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ("lamb", "lars"))
 def test_zero_initialised_tensor_moves_with_trust_ratio_one(kind, layout, variant):
