@@ -74,23 +74,42 @@ void by_layout(Layout layout, Args&&... args) {
 // Sums of squares are kept in kLanes partial sums, element i in lane i % kLanes: every ISA variant then adds the
 // same numbers in the same order (bit-identical norms), a vector adds its lanes without reassociating a single sum
 // (which IEEE semantics forbid), and double neither overflows for |w| > 1.8e19 nor loses digits over a chunk,
-// matching the reference's double norms.
+// matching the reference's double norms. Whole vectors go to simd.h's register-resident sums, which are written
+// into the lanes before the first single element (the loops run all vectors first) or at the end.
 constexpr int64_t kLanes = 16;
+
+class SquareSums {
+ public:
+  template <class R>
+  void add(int64_t i, R x) {
 #ifdef ITR_SIMD_BYTES
-static_assert(kLanes % math::vec::kVecWidth == 0, "a vector must not straddle the partial-sum lanes");
-using math::vec::add_squares;
+    if (vec_.added != 0) flush();
 #endif
+    lanes_[i % kLanes] += double(x) * double(x);
+  }
+#ifdef ITR_SIMD_BYTES
+  void add(int64_t, math::vec::FV x) { vec_.add(x); }  // each() runs the vectors in order from element 0
+#endif
+  double total() {
+#ifdef ITR_SIMD_BYTES
+    if (vec_.added != 0) flush();
+#endif
+    double s = 0;
+    for (int64_t j = 0; j < kLanes; ++j) s += lanes_[j];
+    return s;
+  }
 
-template <class R>
-inline void add_squares(double* lanes, R x) {
-  *lanes += double(x) * double(x);
-}
-
-double lanes_total(const double (&acc)[kLanes]) {
-  double s = 0;
-  for (int64_t j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
-}
+ private:
+  double lanes_[kLanes] = {};
+#ifdef ITR_SIMD_BYTES
+  static_assert(kLanes % math::vec::kVecWidth == 0, "a vector must not straddle the partial-sum lanes");
+  math::vec::SquareSums<int(kLanes / math::vec::kVecWidth)> vec_;
+  void flush() {  // only before any single element was added: the lanes are still zero
+    vec_.store(lanes_);
+    vec_ = {};
+  }
+#endif
+};
 
 template <Layout L>
 using RealOf = typename ScalarAccess<L>::Real;
@@ -132,18 +151,18 @@ template <Layout L>
 struct LambMomentsLoop {
   static void run(const Chunk& c, const updates::LambCoef<double>& cd, double* w_sq, double* u_sq) {
     const auto s = state_of<RealOf<L>>(c);
-    double aw[kLanes] = {}, au[kLanes] = {};
+    SquareSums sw, su;
     each<L>(
         c,
         [&](const auto& st, int64_t i, const auto& k) {
           typename StorageOf<decltype(st)>::T w, u;
           element::lamb_moments(st, s, i, k, w, u);
-          add_squares(aw + i % kLanes, w);
-          add_squares(au + i % kLanes, u);
+          sw.add(i, w);
+          su.add(i, u);
         },
         cd);
-    *w_sq = lanes_total(aw);
-    *u_sq = lanes_total(au);
+    *w_sq = sw.total();
+    *u_sq = su.total();
   }
 };
 
@@ -158,13 +177,13 @@ struct LambApplyLoop {
 template <Layout L>
 struct LarsNormsLoop {
   static void run(const Chunk& c, double* w_sq, double* g_sq) {
-    double aw[kLanes] = {}, ag[kLanes] = {};
+    SquareSums sw, sg;
     each<L>(c, [&](const auto& st, int64_t i) {
-      add_squares(aw + i % kLanes, st.load(i));
-      add_squares(ag + i % kLanes, st.grad(i));
+      sw.add(i, st.load(i));
+      sg.add(i, st.grad(i));
     });
-    *w_sq = lanes_total(aw);
-    *g_sq = lanes_total(ag);
+    *w_sq = sw.total();
+    *g_sq = sg.total();
   }
 };
 

@@ -193,28 +193,58 @@ struct Access {
   }
 };
 
-// lanes[j] += double(x[j])^2 for the kVecWidth lanes of x: the vector form of the loops' partial sums of squares.
-ITR_V void add_squares(double* lanes, FV x) {
-  constexpr int64_t half = kVecWidth / 2;
+// Sums of squares in double of whole vectors, kept in registers. G groups of kVecWidth partial sums take turns, so
+// the vector added t-th (elements t * kVecWidth + j) goes to group t % G: element i lands in partial sum
+// i % (G * kVecWidth), the lane the scalar loops give it, and every variant adds the same numbers in the same order.
+template <int G>
+struct SquareSums {
+  typedef double vd __attribute__((vector_size(ITR_SIMD_BYTES)));
+  vd sums[G][2] = {};  // [group][low, high half of the float vector]
+  int64_t added = 0;
+
+  ITR_VF void add(FV x) {
 #if ITR_SIMD_BYTES == 64
-  const __m512 f = reinterpret_cast<__m512>(x.v);
-  const __m256 halves[2] = {_mm512_castps512_ps256(f),
-                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))};
-  for (int64_t h = 0; h < 2; ++h) {
-    const __m512d d = _mm512_cvtps_pd(halves[h]);
-    const __m512d acc = _mm512_add_pd(_mm512_loadu_pd(lanes + h * half), _mm512_mul_pd(d, d));
-    _mm512_storeu_pd(lanes + h * half, acc);
-  }
+    const __m512 f = reinterpret_cast<__m512>(x.v);
+    const vd lo = reinterpret_cast<vd>(_mm512_cvtps_pd(_mm512_castps512_ps256(f)));
+    const vd hi = reinterpret_cast<vd>(
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))));
 #else
-  const __m256 f = reinterpret_cast<__m256>(x.v);
-  const __m128 halves[2] = {_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1)};
-  for (int64_t h = 0; h < 2; ++h) {
-    const __m256d d = _mm256_cvtps_pd(halves[h]);
-    const __m256d acc = _mm256_add_pd(_mm256_loadu_pd(lanes + h * half), _mm256_mul_pd(d, d));
-    _mm256_storeu_pd(lanes + h * half, acc);
-  }
+    const __m256 f = reinterpret_cast<__m256>(x.v);
+    const vd lo = reinterpret_cast<vd>(_mm256_cvtps_pd(_mm256_castps256_ps128(f)));
+    const vd hi = reinterpret_cast<vd>(_mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
 #endif
-}
+    // A float's square is exact in double, so the fused multiply-add rounds once, like the scalar loops' add.
+#if ITR_SIMD_BYTES == 64
+    sums[0][0] = reinterpret_cast<vd>(_mm512_fmadd_pd(reinterpret_cast<__m512d>(lo), reinterpret_cast<__m512d>(lo),
+                                                      reinterpret_cast<__m512d>(sums[0][0])));
+    sums[0][1] = reinterpret_cast<vd>(_mm512_fmadd_pd(reinterpret_cast<__m512d>(hi), reinterpret_cast<__m512d>(hi),
+                                                      reinterpret_cast<__m512d>(sums[0][1])));
+#else
+    sums[0][0] = reinterpret_cast<vd>(_mm256_fmadd_pd(reinterpret_cast<__m256d>(lo), reinterpret_cast<__m256d>(lo),
+                                                      reinterpret_cast<__m256d>(sums[0][0])));
+    sums[0][1] = reinterpret_cast<vd>(_mm256_fmadd_pd(reinterpret_cast<__m256d>(hi), reinterpret_cast<__m256d>(hi),
+                                                      reinterpret_cast<__m256d>(sums[0][1])));
+#endif
+    // Rotate so that sums[0] is always the group of the next vector (a register renaming once unrolled).
+    for (int k = 0; k + 1 < G; ++k) {
+      for (int h = 0; h < 2; ++h) {
+        const vd t = sums[k][h];
+        sums[k][h] = sums[k + 1][h];
+        sums[k + 1][h] = t;
+      }
+    }
+    ++added;
+  }
+
+  // Writes the partial sums into lanes[0, G * kVecWidth), each at its element's lane.
+  ITR_VF void store(double* lanes) const {
+    for (int k = 0; k < G; ++k) {
+      const int64_t group = (added + k) % G;  // sums[k] is the group of the vector after the last one added
+      __builtin_memcpy(lanes + group * kVecWidth, &sums[k][0], sizeof(vd));
+      __builtin_memcpy(lanes + group * kVecWidth + kVecWidth / 2, &sums[k][1], sizeof(vd));
+    }
+  }
+};
 
 }  // namespace vec
 }  // namespace
