@@ -7,6 +7,7 @@ import glob
 import os
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -30,7 +31,29 @@ ext = CppExtension(
     extra_link_args=["-fopenmp"],
 )
 
+# ipex_train.xpu compiles the SYCL kernels at run time from kernels_xpu/ and the kernels_cpu headers they include.
+# A wheel (a non-editable install) carries copies of them in ipex_train/_sources; an editable install reads the tree.
+SYCL_SOURCES = sorted(
+    ["kernels_xpu/rtc/steps.cpp", "kernels_xpu/host/module.cpp", "kernels_cpu/src/kernel_abi.h"]
+    + [os.path.relpath(f, HERE).replace(os.sep, "/")
+       for f in glob.glob(os.path.join(HERE, "kernels_cpu", "include", "**", "*.h"), recursive=True)]
+)
+
+
+class BuildPyWithSyclSources(build_py):
+    """build_py that also copies SYCL_SOURCES into the built package, under ipex_train/_sources."""
+
+    def run(self):
+        super().run()
+        if self.editable_mode:
+            return
+        for rel in SYCL_SOURCES:
+            dst = os.path.join(self.build_lib, "ipex_train", "_sources", *rel.split("/"))
+            self.mkpath(os.path.dirname(dst))
+            self.copy_file(os.path.join(HERE, *rel.split("/")), dst)
+
+
 setup(
     ext_modules=[ext],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPyWithSyclSources},
 )

@@ -15,7 +15,19 @@ from typing import Any
 from . import _env
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(os.path.dirname(_HERE))
+_PACKAGE = os.path.dirname(_HERE)
+
+
+def source_root(package: str = _PACKAGE) -> str:
+    """Where kernels_xpu/ and kernels_cpu/ are read from for the ipex_train package at ``package``: the repository
+    of an editable install, else the copies a wheel carries in ipex_train/_sources (setup.py's build_py)."""
+    tree = os.path.dirname(package)
+    if os.path.exists(os.path.join(tree, "kernels_xpu", "rtc", "steps.cpp")):
+        return tree
+    return os.path.join(package, "_sources")
+
+
+_ROOT = source_root()
 KERNELS_XPU = os.path.join(_ROOT, "kernels_xpu")
 KERNELS_CPU = os.path.join(_ROOT, "kernels_cpu")
 
@@ -48,8 +60,8 @@ def _source_tree() -> None:
     missing = [p for p in needed if not os.path.exists(p)]
     if missing:
         raise RuntimeError(
-            "ipex_train.xpu compiles its SYCL kernels from the source tree, which is missing here "
-            f"({', '.join(missing)}); use an editable install (pip install -e .) of the repository"
+            "ipex_train.xpu compiles its SYCL kernels at run time from their sources, which are missing here "
+            f"({', '.join(missing)}); reinstall ipex_train from the repository (pip install --no-build-isolation .)"
         )
 
 
