@@ -14,10 +14,12 @@ Policies
 ``"native"``
     The CPU has bf16 arithmetic: nothing is changed.
 ``"emulated"``
-    linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm
-    and scaled_dot_product_attention are computed in fp32 when torch would run them in bf16
-    (bf16 operands, or fp32 operands under CPU bf16 autocast) and return bf16. Every other op
-    runs as it would anyway.
+    linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
+    scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
+    linalg.matmul, addbmm, mv, addmv, dot, vdot, bilinear and the RNNs (LSTM, GRU, RNN) are
+    computed in fp32 when torch would run them in bf16 (bf16 operands, or fp32 operands under
+    CPU bf16 autocast for the ops autocast lowers) and return bf16. Every other op runs as it
+    would anyway.
 
 :func:`resolve` picks the policy (argument > ``IPEX_TRAIN_BF16_COMPUTE`` > CPU features) and logs
 it once on the ``"ipex_train"`` logger.
@@ -328,12 +330,13 @@ def _bind(names, defaults, args, kwargs):
     return bound
 
 
-def _runs_in_bf16(tensors) -> bool:
-    """Whether torch would run an op on these operands in bf16 on the CPU."""
+def _runs_in_bf16(tensors, autocast_lowers: bool = True) -> bool:
+    """Whether torch would run an op on these operands in bf16 on the CPU (``autocast_lowers``: whether CPU bf16
+    autocast runs this op in bf16; it leaves mv, dot, addmv and bilinear in fp32)."""
     floats = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not floats or any(t.device.type != "cpu" for t in floats):
         return False
-    if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+    if autocast_lowers and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
         allowed = (torch.bfloat16, torch.float32)
     else:
         # Mixed dtypes without autocast are an error in torch; let torch raise it.
@@ -342,16 +345,24 @@ def _runs_in_bf16(tensors) -> bool:
 
 
 def _upcast_call(func, args, kwargs):
-    """Generic fallback: call ``func`` on fp32 copies (autograd-tracked casts), return bf16."""
+    """Generic path: call ``func`` on fp32 copies (autograd-tracked casts, so backward computes in fp32 too),
+    return bf16. Tensors inside list/tuple arguments (einsum operands, RNN weights and states) are cast as well,
+    and every floating output of a tuple result (an RNN's output and states) comes back bf16."""
 
     def up(x):
+        if isinstance(x, (list, tuple)):
+            return type(x)(up(v) for v in x)
         return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 else x
+
+    def down(x):
+        if isinstance(x, (list, tuple)):
+            return type(x)(down(v) for v in x)
+        return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
 
     kwargs = dict(kwargs)
     out = kwargs.pop("out", None)
     with _fp32_region():
-        result = func(*map(up, args), **{key: up(value) for key, value in kwargs.items()})
-    result = result.to(torch.bfloat16)
+        result = down(func(*map(up, args), **{key: up(value) for key, value in kwargs.items()}))
     return result if out is None else out.copy_(result)
 
 
@@ -445,7 +456,11 @@ def _sdpa(func, args, kwargs):
 
 
 def _operands(args, kwargs):
-    return list(args) + [value for key, value in kwargs.items() if key != "out"]
+    """The arguments an op computes on, with list/tuple arguments (einsum operands, RNN weights) unpacked."""
+    flat = []
+    for value in list(args) + [value for key, value in kwargs.items() if key != "out"]:
+        flat.extend(value if isinstance(value, (list, tuple)) else (value,))
+    return flat
 
 
 _T = torch.Tensor
@@ -470,6 +485,18 @@ _EMULATED = {
     _T.baddbmm: _add_matmul(torch.baddbmm),
     F.scaled_dot_product_attention: _sdpa,
 }
+# Matmul-class ops without a dedicated Function above: computed through _upcast_call (autograd saves fp32 copies
+# of their operands). RNNs run their gate matmuls inside one C++ op; bf16 einsum and LSTM training steps measured
+# 59x and 20x slower than fp32 on this project's AVX2 machine, and CPU autocast's bf16 LSTM does not run there.
+_GENERIC = (
+    torch.einsum, torch.tensordot, torch.inner, torch.chain_matmul, torch.linalg.multi_dot, torch.linalg.matmul,
+    torch.addbmm, _T.addbmm, torch.mv, _T.mv, torch.addmv, _T.addmv, torch.dot, _T.dot, torch.vdot, _T.vdot,
+    torch.bilinear, torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu,
+)
+_EMULATED.update({func: _upcast_call for func in _GENERIC})
+# Ops CPU bf16 autocast leaves in fp32: emulated only when their operands are bf16.
+_NOT_LOWERED_BY_AUTOCAST = frozenset({torch.mv, _T.mv, torch.addmv, _T.addmv, torch.dot, _T.dot, torch.vdot,
+                                      _T.vdot, torch.bilinear})
 _OVERRIDE_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
 
@@ -503,7 +530,7 @@ class _EmulationMode(TorchFunctionMode):
         kwargs = kwargs or {}
         impl = _EMULATED.get(func)
         if impl is not None:
-            if _runs_in_bf16(_operands(args, kwargs)):
+            if _runs_in_bf16(_operands(args, kwargs), func not in _NOT_LOWERED_BY_AUTOCAST):
                 return impl(func, args, kwargs)
             return func(*args, **kwargs)
         if type(func) is types.FunctionType:
