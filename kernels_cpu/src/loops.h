@@ -103,7 +103,7 @@ class SquareSums {
   double lanes_[kLanes] = {};
 #ifdef ITR_SIMD_BYTES
   static_assert(kLanes % math::vec::kVecWidth == 0, "a vector must not straddle the partial-sum lanes");
-  math::vec::SquareSums<int(kLanes / math::vec::kVecWidth)> vec_;
+  math::vec::RegisterSquareSums<int(kLanes / math::vec::kVecWidth)> vec_;
   void flush() {  // only before any single element was added: the lanes are still zero
     vec_.store(lanes_);
     vec_ = {};

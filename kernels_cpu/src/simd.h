@@ -197,7 +197,7 @@ struct Access {
 // the vector added t-th (elements t * kVecWidth + j) goes to group t % G: element i lands in partial sum
 // i % (G * kVecWidth), the lane the scalar loops give it, and every variant adds the same numbers in the same order.
 template <int G>
-struct SquareSums {
+struct RegisterSquareSums {
   typedef double vd __attribute__((vector_size(ITR_SIMD_BYTES)));
   vd sums[G][2] = {};  // [group][low, high half of the float vector]
   int64_t added = 0;
