@@ -46,10 +46,20 @@ void each(const Chunk& c, const Body& body, const Coef&... cd) {
   int64_t i = 0;
 #ifdef ITR_SIMD_BYTES
   if constexpr (L != Layout::kF64) {
-    const typename storage::Of<math::vec::Access, L>::type st(c);
-    [&](const auto&... k) {
-      for (; i + math::vec::kVecWidth <= n; i += math::vec::kVecWidth) body(st, i, k...);
-    }(updates::cast<math::vec::FV>(cd)...);
+    auto vectors = [&](auto access) {
+      const typename storage::Of<decltype(access), L>::type st(c);
+      [&](const auto&... k) {
+        for (; i + math::vec::kVecWidth <= n; i += math::vec::kVecWidth) body(st, i, k...);
+      }(updates::cast<math::vec::FV>(cd)...);
+    };
+    constexpr bool kMaster = L == Layout::kBF16Master || L == Layout::kF16Master;
+    // Vector i starts kVecWidth * 2 * i bytes in, so an aligned chunk start aligns every vector's store.
+    if (kMaster && c.stream16 && reinterpret_cast<uintptr_t>(c.param) % sizeof(math::vec::V16) == 0) {
+      vectors(math::vec::AccessOf<kMaster>{});
+      _mm_sfence();  // the streamed stores are ordered before anything after this chunk (other threads' reads too)
+    } else {
+      vectors(math::vec::Access{});
+    }
   }
 #endif
   using S = typename storage::Of<ScalarAccess<L>, L>::type;

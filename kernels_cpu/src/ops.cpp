@@ -18,6 +18,10 @@ namespace {
 
 constexpr int64_t kChunk = 1 << 15;        // elements per work item: big enough to stream, small enough to balance
 constexpr int64_t kParallelMin = 1 << 16;  // a group smaller than this runs on the calling thread
+// A group of at least this many elements writes the master layouts' 16-bit params with streaming stores
+// (Chunk::stream16): its step moves 64 MB or more, so those lines would be gone from the caches by the forward pass
+// that reads them anyway. Smaller groups keep plain stores, which leave the params in cache for that forward.
+constexpr int64_t kStreamMin = 1 << 22;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Kernel variant (ISA) selection
@@ -99,6 +103,7 @@ struct Slot {
   // contiguous copies, written back into these originals afterwards.
   bool copied = false;
   at::Tensor param_out, aux_out, state_out[3];
+  bool stream16 = false;  // Chunk::stream16 for this parameter's chunks
 };
 
 struct StateArg {
@@ -235,6 +240,10 @@ std::vector<Slot> prepare(const char* op, at::TensorList params, const c10::List
       }
     }
   }
+  int64_t group = 0;
+  for (const Slot& s : slots) group += s.param.numel();
+  // A copied parameter is read back from its copy right after the step, so that copy stays in cache.
+  for (Slot& s : slots) s.stream16 = group >= kStreamMin && !s.copied;
   return slots;
 }
 
@@ -256,7 +265,7 @@ void* offset(const at::Tensor& t, int64_t elems) {
 
 Chunk chunk_of(const Slot& s, int64_t begin, int64_t n) {
   return {offset(s.param, begin), offset(s.aux, begin), offset(s.grad, begin),
-          {offset(s.state[0], begin), offset(s.state[1], begin), offset(s.state[2], begin)}, n};
+          {offset(s.state[0], begin), offset(s.state[1], begin), offset(s.state[2], begin)}, n, s.stream16};
 }
 
 struct Job {

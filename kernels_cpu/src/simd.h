@@ -123,46 +123,60 @@ namespace {
 namespace vec {
 
 // Lane-wise 16 <-> 32-bit moves. widen_u16/widen_i16 zero-/sign-extend kVecWidth 16-bit values from memory;
-// narrow_u16 stores lanes that must already fit in 16 unsigned bits (the AVX2 pack saturates).
+// narrow16 packs lanes that must already fit in 16 unsigned bits (the AVX2 pack saturates) into one V16.
 #if ITR_SIMD_BYTES == 64
 ITR_V UV widen_u16(const void* p) { return UV::of(reinterpret_cast<vu>(_mm512_cvtepu16_epi32(load_bytes<__m256i>(p)))); }
 ITR_V UV widen_i16(const void* p) { return UV::of(reinterpret_cast<vu>(_mm512_cvtepi16_epi32(load_bytes<__m256i>(p)))); }
-ITR_V void narrow_u16(void* p, UV v) {
-  const __m256i n = _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(v.v));  // truncates each lane
-  __builtin_memcpy(p, &n, sizeof n);
-}
+typedef __m256i V16;  // kVecWidth 16-bit values
+ITR_V V16 narrow16(UV v) { return _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(v.v)); }  // truncates each lane
 #else
 ITR_V UV widen_u16(const void* p) { return UV::of(reinterpret_cast<vu>(_mm256_cvtepu16_epi32(load_bytes<__m128i>(p)))); }
 ITR_V UV widen_i16(const void* p) { return UV::of(reinterpret_cast<vu>(_mm256_cvtepi16_epi32(load_bytes<__m128i>(p)))); }
-ITR_V void narrow_u16(void* p, UV v) {
+typedef __m128i V16;
+ITR_V V16 narrow16(UV v) {
   // packus works per 128-bit half (exact here: every lane is <= 0xFFFF); vpermq gathers the two results.
   const __m256i packed = _mm256_packus_epi32(reinterpret_cast<__m256i>(v.v), __m256i{});
-  const __m128i n = _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-  __builtin_memcpy(p, &n, sizeof n);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 #endif
 
+// Stores one vector of 16-bit values. STREAM: a non-temporal store, which writes the line without reading it first
+// and leaves it out of the caches; p must then be aligned to sizeof(V16), and the caller fences (_mm_sfence) before
+// other threads may read.
+template <bool STREAM>
+ITR_V void put16(uint16_t* p, V16 h) {
+  if constexpr (STREAM) {
+#if ITR_SIMD_BYTES == 64
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);
+#else
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
+#endif
+  } else {
+    __builtin_memcpy(p, &h, sizeof h);
+  }
+}
+
 // The storage access (see storage::Scalar in ipex_train/elementwise.h) for whole vectors of fp32 layouts. Every
 // conversion gives the same bits as convert.h's formulas (the kernel tests compare the variants bit for bit).
-struct Access {
+// STREAM16 writes the bf16/fp16 values with non-temporal stores (Chunk::stream16).
+template <bool STREAM16>
+struct AccessOf {
   using T = FV;
   using Real = float;
   ITR_V T get(const float* p, int64_t i) { return FV::of(load_bytes<vf>(p + i)); }
   ITR_V void put(float* p, int64_t i, T v) { __builtin_memcpy(p + i, &v.v, sizeof v.v); }
   ITR_V T bf16(const uint16_t* p, int64_t i) { return convert::bf16_to_f32(widen_u16(p + i)); }
-  ITR_V void put_bf16(uint16_t* p, int64_t i, T v) { narrow_u16(p + i, convert::f32_to_bf16(v)); }
+  ITR_V void put_bf16(uint16_t* p, int64_t i, T v) { put16<STREAM16>(p + i, narrow16(convert::f32_to_bf16(v))); }
   // F16C rounds and handles subnormals, Inf and NaN exactly as convert.h's f16 formulas.
 #if ITR_SIMD_BYTES == 64
   ITR_V T f16(const uint16_t* p, int64_t i) { return FV::of(reinterpret_cast<vf>(_mm512_cvtph_ps(load_bytes<__m256i>(p + i)))); }
   ITR_V void put_f16(uint16_t* p, int64_t i, T v) {
-    const __m256i h = _mm512_cvtps_ph(reinterpret_cast<__m512>(v.v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __builtin_memcpy(p + i, &h, sizeof h);
+    put16<STREAM16>(p + i, _mm512_cvtps_ph(reinterpret_cast<__m512>(v.v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 #else
   ITR_V T f16(const uint16_t* p, int64_t i) { return FV::of(reinterpret_cast<vf>(_mm256_cvtph_ps(load_bytes<__m128i>(p + i)))); }
   ITR_V void put_f16(uint16_t* p, int64_t i, T v) {
-    const __m128i h = _mm256_cvtps_ph(reinterpret_cast<__m256>(v.v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __builtin_memcpy(p + i, &h, sizeof h);
+    put16<STREAM16>(p + i, _mm256_cvtps_ph(reinterpret_cast<__m256>(v.v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 #endif
   ITR_V T split(const uint16_t* top, const int16_t* res, int64_t i) {
@@ -174,8 +188,8 @@ struct Access {
     const UV u = f32_bits(v);
     const Mask nan = v != v;
 #if ITR_SIMD_BYTES == 64
-    narrow_u16(top + i, select(nan, (u >> 16) | 0x0040u, (u + 0x8000u) >> 16));
-    narrow_u16(res + i, select(nan, 0u, u & 0xFFFFu));
+    put16<false>(top + i, narrow16(select(nan, (u >> 16) | 0x0040u, (u + 0x8000u) >> 16)));
+    put16<false>(reinterpret_cast<uint16_t*>(res + i), narrow16(select(nan, 0u, u & 0xFFFFu)));
 #else
     // Lanes of [residual | top << 16] by a word blend, then one byte shuffle and one qword permute put the eight
     // residuals in the low 128 bits and the eight tops in the high 128 bits.
@@ -192,6 +206,8 @@ struct Access {
 #endif
   }
 };
+
+using Access = AccessOf<false>;
 
 // Sums of squares in double of whole vectors, kept in registers. G groups of kVecWidth partial sums take turns, so
 // the vector added t-th (elements t * kVecWidth + j) goes to group t % G: element i lands in partial sum
