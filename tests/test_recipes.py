@@ -99,4 +99,8 @@ def test_benchmark_suite_smoke(tmp_path):
     [step] = summary["benchmarks"]
     assert step["name"] == "step" and step["returncode"] == 0
     assert step["data"]["settings"]["smoke"] and step["data"]["results"]
+    # Lamb rows carry the time of lamb_traffic.c (built with the C compiler the package build needs anyway).
+    lamb = [r for r in step["data"]["results"] if r["optimizer"] == "lamb"]
+    assert lamb and all(r["traffic_floor_ratio"] > 0 for r in lamb)
+    assert "Lamb's bytes alone" in report
     _check_png(out / "step_roofline.png")
