@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -104,3 +105,45 @@ def test_benchmark_suite_smoke(tmp_path):
     assert lamb and all(r["traffic_floor_ratio"] > 0 for r in lamb)
     assert "Lamb's bytes alone" in report
     _check_png(out / "step_roofline.png")
+
+
+@pytest.mark.parametrize("layout", ["fp32", "split_bf16", "bf16_master", "fp16_master"])
+def test_lamb_traffic_kernel_moves_what_lamb_moves(layout):
+    # bench_step's "Lamb's bytes alone" is a floor only if lamb_traffic.c really reads and writes all that Lamb does:
+    # value, grad and both moments of every element, writing the moments and the value (the 16-bit copy too, for the
+    # master layouts). Its stand-in arithmetic, m = 0.9 m + g, v = 0.99 v + g, w -= 1e-3 m - 1e-9 v, is recomputed
+    # here from the inputs (16-bit grads read as int16 * 1e-6; the split value as (top << 16) | residual).
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks import bench_step
+    finally:
+        sys.path.remove(str(ROOT))
+    lib = bench_step.load_traffic_kernel()
+    assert lib is not None, "no C compiler: the benchmark's traffic floor cannot be built"
+    n = 2 * (1 << 15) + 13  # two full chunks and a partial one, with a vector tail
+    traffic = bench_step.LambTraffic(lib, layout, n, 1)
+    p, a, g, m, v = traffic.keep
+    m.normal_()
+    v.uniform_()
+
+    def value(p, a):
+        if layout == "fp32":
+            return p.clone()
+        if layout == "split_bf16":
+            bits = (p.view(torch.int16).int() << 16) | (a.int() & 0xFFFF)
+            return bits.view(torch.float32)
+        return a.clone()
+
+    g32 = g.clone() if layout == "fp32" else g.view(torch.int16).float() * 1e-6
+    m1 = m * 0.9 + g32
+    v1 = v * 0.99 + g32
+    w1 = value(p, a) - 1e-3 * m1 + v1 * 1e-9
+    g_before = g.clone()
+    traffic()
+    tol = dict(rtol=1e-5, atol=1e-7)  # built with -ffast-math: contractions may round differently
+    torch.testing.assert_close(m, m1, **tol)
+    torch.testing.assert_close(v, v1, **tol)
+    torch.testing.assert_close(value(p, a), w1, **tol)
+    assert torch.equal(g, g_before)
+    if layout in ("bf16_master", "fp16_master"):
+        assert torch.equal(p.view(torch.int16), (a.view(torch.int32) >> 16).to(torch.int16))
