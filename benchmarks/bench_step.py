@@ -190,9 +190,12 @@ def load_traffic_kernel():
     cmd = [cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(lib_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
+        shutil.rmtree(lib_path.parent, ignore_errors=True)
         print(f"lamb traffic floor: skipped ({' '.join(cmd)} failed: {done.stderr.strip()[-300:]})")
         return None
     lib = ctypes.CDLL(str(lib_path))
+    lib_path.unlink()  # the loaded mapping stays valid; nothing is left in the temp dir
+    lib_path.parent.rmdir()
     lib.lamb_traffic.restype = ctypes.c_float
     lib.lamb_traffic.argtypes = [ctypes.POINTER(_TrafficTensor), ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
