@@ -7,11 +7,10 @@ import time.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.ipex_train)
+from ._options import env
 
 ops = torch.ops.ipex_train
 
@@ -40,23 +39,17 @@ def set_kernel_variant(name: str) -> None:
 
 
 def supported_kernel_variants() -> list[str]:
-    """The variants this CPU can run, best first."""
-    current = kernel_variant()
-    found = []
-    try:
-        for name in ("avx512", "avx2", "scalar"):
-            try:
-                ops.set_kernel_variant(name)
-            except RuntimeError:
-                continue
-            found.append(name)
-    finally:
-        ops.set_kernel_variant(current)
-    return found
+    """The variants this CPU can run, best first (read without touching the variant in use)."""
+    return list(ops.supported_kernel_variants())
+
+
+def optimizer_names() -> list[str]:
+    """The optimizers the kernels were built with (``torch.ops.ipex_train.<name>_step``), from the C++ list."""
+    return list(ops.optimizer_names())
 
 
 def _apply_env() -> None:
-    requested = os.environ.get(KERNEL_ENV)
+    requested = env(KERNEL_ENV)
     if not requested:
         return
     try:
@@ -81,8 +74,9 @@ def _check_cpu(op: str, args) -> None:
 
 def _register_fakes() -> None:
     # The step ops only mutate their inputs, so their fake versions only check devices.
-    for name in ("sgd_step", "adam_step", "adagrad_step", "lamb_step", "lars_step"):
-        torch.library.register_fake(f"ipex_train::{name}")(lambda *args, _op=name: _check_cpu(_op, args))
+    for name in optimizer_names():
+        op = f"{name}_step"
+        torch.library.register_fake(f"ipex_train::{op}")(lambda *args, _op=op: _check_cpu(_op, args))
 
     @torch.library.register_fake("ipex_train::split_bf16")
     def _split_fake(src):

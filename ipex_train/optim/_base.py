@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _fused
+from .._options import OptionTypeError
 
 
 def check_nonneg(name: str, value: Any) -> None:
@@ -38,7 +38,7 @@ def can_fuse(params: list[Tensor]) -> bool:
 class FusableOptimizer(torch.optim.Optimizer):
     """A torch.optim.Optimizer whose step runs either the fused C++ kernel or the plain PyTorch reference.
 
-    Subclasses set ``KIND`` (a kind of :func:`_fused.fused_step`) and define
+    Subclasses set ``KIND`` (their name in :mod:`._registry`) and define
     ``_reference_step(group, params, grads, state_lists)``, which runs their rule from ``_reference``.
     """
 
@@ -46,7 +46,7 @@ class FusableOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict[str, Any], fused: bool | None):
         if fused is not None and not isinstance(fused, bool):
-            raise ValueError(f"fused must be None, True or False, got {fused!r}")
+            raise OptionTypeError(f"fused must be None, True or False, got {fused!r}")
         defaults = dict(defaults, fused=fused)
         super().__init__(params, defaults)
 
@@ -65,6 +65,8 @@ class FusableOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        from . import _fused  # here: the registry, which _fused reads, imports the subclasses
+
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -1,10 +1,10 @@
 """One fused update of one parameter group: gather grads and state (created as torch.optim creates it), then
 make one call into the C++ kernels for the whole group.
 
-Used by :class:`Lamb`, :class:`Lars` and by the optimizer that :func:`ipex_train.optimize` returns for
-torch.optim.SGD / Adam / AdamW / Adagrad. ``aux`` holds, per parameter, None (fp32/fp64 storage), the int16
-residual of a split bf16 parameter, or the fp32 master of a bf16/fp16 parameter; optimizer state is always fp32
-(fp64 for fp64 parameters).
+Used by :class:`Lamb`, :class:`Lars`, :mod:`ipex_train.optim.functional` and the optimizer that
+:func:`ipex_train.optimize` returns; what each optimizer keeps and passes is its entry in :mod:`._registry`.
+``aux`` holds, per parameter, None (fp32/fp64 storage), the int16 residual of a split bf16 parameter, or the fp32
+master of a bf16/fp16 parameter; optimizer state is always fp32 (fp64 for fp64 parameters).
 """
 from __future__ import annotations
 
@@ -14,9 +14,28 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._ops import ops
+from .._ops import ops, optimizer_names
+from . import _registry
+from ._registry import FusedOptimizer
 
-KINDS = ("sgd", "adam", "adagrad", "lamb", "lars")
+KINDS = _registry.NAMES
+
+
+def _check_against_kernels() -> None:
+    # The registry and the C++ list (kernels_cpu/src/optimizers.h) must name the same optimizers, and each entry's
+    # lists and scalars must be its op's arguments in order: a new optimizer added on one side only fails here.
+    if set(optimizer_names()) != set(KINDS):
+        raise ImportError(f"ipex_train: the C++ kernels have optimizers {optimizer_names()} but the registry "
+                          f"(ipex_train/optim/_registry.py) has {KINDS}; rebuild the extension")
+    for o in _registry.OPTIMIZERS:
+        expected = ["params", "aux", "grads", *(s.arg for s in o.state), *(["fresh_buffers"] * o.fresh_flags),
+                    *(["state_steps"] * o.counts_steps), *(h.arg for h in o.hyperparameters)]
+        schema = [a.name for a in getattr(ops, f"{o.name}_step").default._schema.arguments]
+        if schema != expected:
+            raise ImportError(f"ipex_train: {o.op_name} takes {schema}; its registry entry describes {expected}")
+
+
+_check_against_kernels()
 
 
 def state_dtype(p: Tensor) -> torch.dtype:
@@ -24,8 +43,9 @@ def state_dtype(p: Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-def _zeros(p: Tensor) -> Tensor:
-    return torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
+def _state_tensor(p: Tensor, fill: float) -> Tensor:
+    t = torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
+    return t.fill_(fill) if fill else t
 
 
 def _bump_steps(states: list[dict]) -> list[Tensor]:
@@ -37,10 +57,27 @@ def _bump_steps(states: list[dict]) -> list[Tensor]:
     return steps
 
 
-def _lazy(st: dict, key: str, make) -> Tensor:
-    if st.get(key) is None:
-        st[key] = make()
-    return st[key]
+def entry_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
+                params: Sequence[Tensor]) -> dict[str, list]:
+    """:func:`state_lists` for a registry entry."""
+    states = [state[p] for p in params]
+    lists: dict[str, list] = {}
+    for spec in entry.state:
+        if not spec.present(group):
+            lists[spec.key] = []
+            continue
+        if entry.fresh_flags:
+            lists["fresh"] = [st.get(spec.key) is None for st in states]
+        fill = float(group.get(spec.fill, 0.0)) if spec.fill else 0.0
+        for p, st in zip(params, states):
+            if st.get(spec.key) is None:
+                st[spec.key] = _state_tensor(p, fill)
+        lists[spec.key] = [st[spec.key] for st in states]
+    if entry.fresh_flags and "fresh" not in lists:
+        lists["fresh"] = []
+    if entry.counts_steps:
+        lists["step"] = _bump_steps(states)
+    return lists
 
 
 def state_lists(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, dict],
@@ -50,39 +87,28 @@ def state_lists(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, 
 
     For SGD, ``fresh`` marks momentum buffers created now (torch starts those from the grad itself).
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    states = [state[p] for p in params]
+    return entry_lists(_registry.get(kind), group, state, params)
 
-    def get(key, make=_zeros):
-        return [_lazy(st, key, lambda p=p: make(p)) for p, st in zip(params, states)]
 
-    if kind == "sgd":
-        if float(group["momentum"]) == 0:
-            return {"momentum_buffer": [], "fresh": []}
-        fresh = [st.get("momentum_buffer") is None for st in states]
-        return {"momentum_buffer": get("momentum_buffer"), "fresh": fresh}
-    if kind == "adam":
-        lists = {"exp_avg": get("exp_avg"), "exp_avg_sq": get("exp_avg_sq"), "max_exp_avg_sq": []}
-        if group.get("amsgrad", False):
-            lists["max_exp_avg_sq"] = get("max_exp_avg_sq")
-        lists["step"] = _bump_steps(states)
-        return lists
-    if kind == "adagrad":
-        init = float(group.get("initial_accumulator_value", 0.0))
-        return {"sum": get("sum", lambda p: _zeros(p).fill_(init)), "step": _bump_steps(states)}
-    if kind == "lamb":
-        return {"exp_avg": get("exp_avg"), "exp_avg_sq": get("exp_avg_sq"), "step": _bump_steps(states)}
-    return {"momentum_buffer": get("momentum_buffer")}
+def kernel_lists(entry: FusedOptimizer, lists: dict[str, list]) -> list[list]:
+    """The list arguments after params, aux and grads, in kernel order, from :func:`entry_lists`' result."""
+    out = [lists[s.key] for s in entry.state]
+    if entry.fresh_flags:
+        out.append(lists["fresh"])
+    if entry.counts_steps:
+        out.append(lists["step"])
+    return out
 
 
 def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, dict], params: Sequence[Tensor],
                aux: Sequence[Tensor | None], grads: Sequence[Tensor]) -> None:
-    """Apply one step of optimizer ``kind`` to ``params`` (those of ``group`` that have grads) in one kernel call.
+    """Apply one step of optimizer ``kind`` (a registry name) to ``params`` (those of ``group`` that have grads) in
+    one kernel call.
 
     ``state`` is the optimizer's per-parameter state mapping; missing entries are created here. Hyper-parameters
     are read from ``group`` with torch.optim's key names.
     """
+    entry = _registry.get(kind)
     params, aux, grads = list(params), list(aux), list(grads)
     if not params:
         return
@@ -95,24 +121,5 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
         for idx in (plain, rest):
             fused_step(kind, group, state, [params[i] for i in idx], [aux[i] for i in idx], [grads[i] for i in idx])
         return
-    s = state_lists(kind, group, state, params)
-    lr = float(group["lr"])
-    maximize = bool(group.get("maximize", False))
-    if kind == "sgd":
-        ops.sgd_step(params, aux, grads, s["momentum_buffer"], s["fresh"], lr, float(group["momentum"]),
-                     float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]), maximize)
-    elif kind == "adam":
-        beta1, beta2 = (float(b) for b in group["betas"])
-        ops.adam_step(params, aux, grads, s["exp_avg"], s["exp_avg_sq"], s["max_exp_avg_sq"], s["step"], lr, beta1,
-                      beta2, float(group["weight_decay"]), float(group["eps"]), bool(group.get("amsgrad", False)),
-                      maximize, bool(group.get("decoupled_weight_decay", False)))
-    elif kind == "adagrad":
-        ops.adagrad_step(params, aux, grads, s["sum"], s["step"], lr, float(group["lr_decay"]),
-                         float(group["weight_decay"]), float(group["eps"]), maximize)
-    elif kind == "lamb":
-        beta1, beta2 = (float(b) for b in group["betas"])
-        ops.lamb_step(params, aux, grads, s["exp_avg"], s["exp_avg_sq"], s["step"], lr, beta1, beta2,
-                      float(group["weight_decay"]), float(group["eps"]), bool(group["bias_correction"]))
-    else:
-        ops.lars_step(params, aux, grads, s["momentum_buffer"], lr, float(group["momentum"]),
-                      float(group["weight_decay"]), float(group["eeta"]), float(group["epsilon"]))
+    lists = kernel_lists(entry, entry_lists(entry, group, state, params))
+    getattr(ops, f"{kind}_step")(params, aux, grads, *lists, *entry.kernel_args(group))

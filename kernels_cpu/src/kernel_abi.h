@@ -5,19 +5,16 @@
 #include <stdint.h>
 
 #include "ipex_train/elementwise.h"  // Layout, Chunk, the per-element steps
+#include "optimizers.h"
 
 namespace ipex_train {
 
-// Per-ISA entry points. Lamb and Lars run two passes: the first returns sums of squares for the trust ratio.
+// Per-ISA entry points: one per ITR_KERNELS entry (optimizers.h), then the split-bf16 conversions.
 struct KernelTable {
   const char* name;
-  void (*sgd)(Layout, const Chunk&, const updates::SgdCoef<double>&, bool momentum, bool nesterov);
-  void (*adam)(Layout, const Chunk&, const updates::AdamCoef<double>&, bool amsgrad);
-  void (*adagrad)(Layout, const Chunk&, const updates::AdagradCoef<double>&);
-  void (*lamb_moments)(Layout, const Chunk&, const updates::LambCoef<double>&, double* w_sq, double* u_sq);
-  void (*lamb_apply)(Layout, const Chunk&, const updates::LambCoef<double>&);
-  void (*lars_norms)(Layout, const Chunk&, double* w_sq, double* g_sq);
-  void (*lars_apply)(Layout, const Chunk&, const updates::LarsCoef<double>&);
+#define ITR_ENTRY(entry, params, ...) void(*entry) params;
+  ITR_KERNELS(ITR_ENTRY)
+#undef ITR_ENTRY
   void (*split_bf16)(const float* src, uint16_t* top, int16_t* residual, int64_t n);
   void (*combine_bf16)(const uint16_t* top, const int16_t* residual, float* dst, int64_t n);
 };

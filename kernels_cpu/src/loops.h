@@ -232,8 +232,8 @@ void combine_bf16(const uint16_t* top, const int16_t* residual, float* dst, int6
 
 }  // namespace
 
-extern const KernelTable ITR_TABLE = {
-    ITR_ISA_NAME, sgd, adam, adagrad, lamb_moments, lamb_apply, lars_norms, lars_apply, split_bf16, combine_bf16,
-};
+#define ITR_ENTRY(entry, ...) entry,
+extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_KERNELS(ITR_ENTRY) split_bf16, combine_bf16};
+#undef ITR_ENTRY
 
 }  // namespace ipex_train

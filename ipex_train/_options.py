@@ -1,0 +1,68 @@
+"""The one place ipex_train reads environment variables, and the checks every option shares.
+
+Mistakes are reported one way everywhere: a value of the wrong type is an :class:`OptionTypeError` (a TypeError),
+a value of the right type that is not accepted (an unknown name, a bad environment string) is a ValueError, and
+both name the argument or the variable.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+PREFIX = "IPEX_TRAIN_"
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+AUTO = ("auto", "")
+
+
+class OptionTypeError(TypeError, ValueError):
+    """An option of the wrong type. A TypeError; also a ValueError because Lamb(fused=...) and the Accelerate
+    plugin raised ValueError for it before, and code catching that must keep working."""
+
+
+def env(name: str) -> str | None:
+    """The raw value of environment variable ``name``, or None when it is unset."""
+    return os.environ.get(name)
+
+
+def env_bool(name: str) -> bool | None:
+    """Environment variable ``name`` as a switch: 1/true/yes/on, 0/false/no/off (any case), or None when it is
+    unset, empty or ``auto``. Raises ValueError naming the variable otherwise."""
+    return parse_bool(env(name), name)
+
+
+def parse_bool(value: Any, where: str) -> bool | None:
+    """``value`` as a switch: a bool, None, or a string as :func:`env_bool` reads it (raising naming ``where``)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, str):
+        raise OptionTypeError(f"{where} must be True, False or None, got {value!r}")
+    text = value.strip().lower()
+    if text in TRUE or text in FALSE or text in AUTO:
+        return True if text in TRUE else False if text in FALSE else None
+    raise ValueError(f"{where}={value!r} is not accepted; use one of {', '.join(TRUE + FALSE)} or auto")
+
+
+def check_bool(value: Any, where: str) -> bool | None:
+    """``value`` itself when it is True, False or None; :class:`OptionTypeError` naming ``where`` otherwise."""
+    if value is not None and not isinstance(value, bool):
+        raise OptionTypeError(f"{where} must be True, False or None, got {value!r}")
+    return value
+
+
+def parse_choice(value: Any, choices: Iterable[str], where: str, upper: bool = False) -> str | None:
+    """``value`` (a string, any case, or None) as one of ``choices``; ``auto`` and an empty string give None.
+    Raises :class:`OptionTypeError` for a non-string and ValueError for another string, naming ``where``."""
+    if value is None:
+        return None
+    choices = tuple(choices)
+    if not isinstance(value, str):
+        raise OptionTypeError(f"{where} must be a string ({', '.join(choices)}) or None, got {value!r}")
+    text = value.strip()
+    if text.lower() in AUTO:
+        return None
+    text = text.upper() if upper else text.lower()
+    if text not in choices:
+        raise ValueError(f"{where}={value!r} is not accepted; use one of {', '.join(('auto',) + choices)}")
+    return text
