@@ -8,6 +8,7 @@ from . import _ops  # noqa: F401  (loads the kernels and registers torch.ops.ipe
 from . import optim
 from ._channels_last import disable_auto_channels_last, enable_auto_channels_last
 from ._info import info
+from .config import OptimizeConfig
 from .frontend import optimize
 
-__all__ = ["info", "optim", "optimize", "enable_auto_channels_last", "disable_auto_channels_last", "__version__"]
+__all__ = ["OptimizeConfig", "info", "optim", "optimize", "enable_auto_channels_last", "disable_auto_channels_last", "__version__"]

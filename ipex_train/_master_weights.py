@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -76,13 +76,6 @@ def _set_data(p: Tensor, data: Tensor) -> None:
     p.data = data
     if grad is not None:
         p.grad = torch.empty_like(data).copy_(grad)
-
-
-def in_usm(t: Tensor, queue) -> bool:
-    """Whether ``t`` is contiguous SYCL USM memory of ``queue``'s context, as the SYCL kernels take it."""
-    from . import xpu
-
-    return t.is_contiguous() and xpu.is_usm(t, queue)
 
 
 def set_memory_format(p: Tensor, memory_format: torch.memory_format) -> None:
@@ -169,17 +162,17 @@ class MasterWeights:
         else:
             p.data.copy_(value)
 
-    def to_usm(self, params: Iterable[Tensor], queue) -> None:
-        """Move ``params`` and their residuals or masters into SYCL USM shared memory of ``queue`` (a dpctl queue;
-        optimize(sycl=True)), keeping the Parameter objects. The copies are contiguous, as the SYCL kernels take
-        them (a channels-last weight loses that layout); tensors already there are left alone."""
-        from . import xpu
-
+    def relocate(self, params: Iterable[Tensor], move: Callable[[Tensor], Tensor]) -> None:
+        """Give ``params`` and their residuals or masters the storage ``move`` returns for each tensor (the tensor
+        itself when it is already where it belongs), keeping the Parameter objects; a step backend's placement
+        (ipex_train.xpu's SYCL backend moves them into USM shared memory)."""
         for p in params:
-            if not in_usm(p.data, queue):
-                _set_data(p, xpu.to_usm(p.data, queue))
-            if p in self.aux and not in_usm(self.aux[p], queue):
-                self.aux[p] = xpu.to_usm(self.aux[p], queue)
+            old = p.data
+            new = move(old)
+            if new is not old:
+                _set_data(p, new)
+            if p in self.aux:
+                self.aux[p] = move(self.aux[p])
 
     def register_hooks(self, model: nn.Module) -> None:
         """Hook every module of ``model`` that registers a held parameter: inputs cast to the weight dtype,

@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 import types
 import weakref
@@ -60,6 +59,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from . import _options
 
 __all__ = [
     "POLICIES",
@@ -112,7 +113,7 @@ def _check_value(value: str, where: str) -> str:
 def _resolve_with_source(requested: str | None) -> tuple[str, str]:
     if requested is not None and _check_value(requested, "requested") != "auto":
         return requested.strip().lower(), "argument"
-    env = os.environ.get(ENV_VAR)
+    env = _options.env(ENV_VAR)
     if env is not None and _check_value(env, ENV_VAR) != "auto":
         return env.strip().lower(), f"environment variable {ENV_VAR}"
     native = cpu_has_native_bf16()

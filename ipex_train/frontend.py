@@ -31,12 +31,11 @@ from torch import Tensor, nn
 
 from . import _channels_last
 from ._master_weights import LOW_PRECISION, MasterWeights, cast_inputs, convertible_parameters, set_memory_format
-from .optim._wrapper import SyclStep, TrainingOptimizer, fused_kind, training_optimizer, user_class
+from .config import OptimizeConfig
+from .optim._wrapper import TrainingOptimizer, fused_kind, training_optimizer, user_class
 
 _log = logging.getLogger("ipex_train")
 
-DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
-LEVELS = ("O0", "O1")
 _ATTR = "_ipex_train_masters"  # the MasterWeights of an optimized model, also how a second optimize() sees it
 
 
@@ -52,28 +51,19 @@ class Flags:
     auto_channels_last: bool
 
 
-def _resolve_flags(level: str, **given: bool | None) -> Flags:
-    on = level == "O1"  # O0 changes nothing but the dtype handling
-    values = {}
-    for name, value in given.items():
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"optimize(): {name} must be True, False or None, got {value!r}")
-        values[name] = value
-    cl = _channels_last.resolve(values.pop("auto_channels_last"), on)
-    return Flags(auto_channels_last=cl, **{k: on if v is None else v for k, v in values.items()})
+def _resolve_flags(config: OptimizeConfig) -> Flags:
+    on = config.level == "O1"  # O0 changes nothing but the dtype handling
+    given = {name: getattr(config, name) for name in Flags.__dataclass_fields__}
+    cl = _channels_last.resolve(given.pop("auto_channels_last"), on)
+    return Flags(auto_channels_last=cl, **{k: on if v is None else v for k, v in given.items()})
 
 
-def _validate(model, optimizer, dtype, level) -> None:
+def _validate(model, optimizer, dtype) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize(): model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimize(): optimizer must be a torch.optim.Optimizer or None, got "
                         f"{type(optimizer).__name__}")
-    if dtype not in DTYPES:
-        raise ValueError(f"optimize(): dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
-                         f"got {dtype!r}")
-    if level not in LEVELS:
-        raise ValueError(f"optimize(): level must be 'O0' or 'O1', got {level!r}")
     if model.training and optimizer is None:
         raise ValueError("optimize(): the model is in training mode but no optimizer was given; pass the optimizer "
                          "(optimize(model, optimizer, ...)) to train, or call model.eval() first for inference")
@@ -103,20 +93,17 @@ def _validate(model, optimizer, dtype, level) -> None:
                              "model it was returned with, or a fresh optimizer")
 
 
-def _sycl_queue(sycl: bool | None, training: bool):
-    """The dpctl queue the optimizer steps run on, or None. Raises for a bad ``sycl`` (any mode) and, in training,
-    when SYCL is asked for (``sycl=True``, or None with IPEX_TRAIN_SYCL=1) but unavailable."""
-    if sycl is not None and not isinstance(sycl, bool):
-        raise TypeError(f"optimize(): sycl must be True, False or None, got {sycl!r}")
+def _step_backend(sycl: bool | None, training: bool):
+    """The step backend of the returned optimizer (ipex_train.xpu.SyclBackend), or None for the CPU step. Raises,
+    in training, when SYCL is asked for (``sycl=True``, or None with IPEX_TRAIN_SYCL=1) but unavailable."""
     if not training or sycl is False:
         return None
     from . import xpu  # only here: `import ipex_train` must not load the SYCL runtime
 
     try:
-        on = xpu.enabled(sycl)
+        return xpu.step_backend(sycl)
     except RuntimeError as e:
         raise RuntimeError(f"optimize(): {e}") from None
-    return xpu.default_queue() if on else None
 
 
 def _copy_model(model: nn.Module) -> tuple[nn.Module, dict[int, object]]:
@@ -171,7 +158,8 @@ def _inference_passes(model: nn.Module, flags: Flags, sample_input) -> None:
 
 def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_bn_folding=None,
              linear_bn_folding=None, replace_dropout_with_identity=None, split_master_weight_for_bf16=None,
-             fuse_update_step=None, auto_channels_last=None, sample_input=None, bf16_compute=None, sycl=None):
+             fuse_update_step=None, auto_channels_last=None, sample_input=None, bf16_compute=None, sycl=None, *,
+             config: OptimizeConfig | None = None):
     """Prepare ``model`` (and ``optimizer``) for fast CPU training, or ``model`` alone for inference.
 
     Training (``model.training`` and an optimizer): returns ``(model, optimizer)``; use both in an unchanged
@@ -208,20 +196,31 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             storage with ipex_train.xpu.usm_grads() and zero_grad(set_to_none=False) to skip that copy. Optimizers
             without a fused step run their own step on the CPU. Needs dpctl (the ``xpu`` extra). None (default)
             defers to IPEX_TRAIN_SYCL=1; False turns it off.
+        config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through sycl), instead of
+            passing them one by one; a keyword argument given next to it must agree with it.
 
     Raises TypeError/ValueError for bad arguments, and RuntimeError when SYCL is asked for but unavailable, before
     anything is modified.
     """
-    _validate(model, optimizer, dtype, level)
-    flags = _resolve_flags(level, conv_bn_folding=conv_bn_folding, linear_bn_folding=linear_bn_folding,
-                           replace_dropout_with_identity=replace_dropout_with_identity,
-                           split_master_weight_for_bf16=split_master_weight_for_bf16,
-                           fuse_update_step=fuse_update_step, auto_channels_last=auto_channels_last)
+    shorthand = dict(dtype=dtype, level=level, conv_bn_folding=conv_bn_folding, linear_bn_folding=linear_bn_folding,
+                     replace_dropout_with_identity=replace_dropout_with_identity,
+                     split_master_weight_for_bf16=split_master_weight_for_bf16, fuse_update_step=fuse_update_step,
+                     auto_channels_last=auto_channels_last, bf16_compute=bf16_compute, sycl=sycl)
+    if config is None:
+        config = OptimizeConfig(**shorthand)
+    elif not isinstance(config, OptimizeConfig):
+        raise TypeError(f"optimize(): config must be an ipex_train.OptimizeConfig or None, got "
+                        f"{type(config).__name__}")
+    else:
+        config = config.merged(**shorthand)
+    dtype, bf16_compute = config.dtype, config.bf16_compute
+    _validate(model, optimizer, dtype)
+    flags = _resolve_flags(config)
     if dtype == torch.bfloat16 or bf16_compute is not None:
         from . import compute_policy
 
         compute_policy.resolve(bf16_compute)  # raises for a bad value before anything changes
-    queue = _sycl_queue(sycl, training=optimizer is not None)
+    backend = _step_backend(config.sycl, training=optimizer is not None)
 
     if optimizer is None:
         if not inplace:
@@ -258,15 +257,14 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         setattr(model, _ATTR, masters)
         if dtype == torch.bfloat16:
             _attach_compute_policy(model, bf16_compute)
-    if queue is not None:
-        masters.to_usm(model.parameters(), queue)
+    if backend is not None:
+        backend.place_params(masters, model.parameters())
     cls = user_class(optimizer)
     fuse = flags.fuse_update_step and fused_kind(cls) is not None
     if flags.fuse_update_step and not fuse:
         _log.info("ipex_train.optimize: %s has no fused step; it runs its own step on fp32 values of the "
                   "low-precision parameters (slower than SGD/Adam/AdamW/Adagrad/Lamb/Lars)", cls.__name__)
-    if queue is not None and not fuse:
+    if backend is not None and not fuse:
         _log.info("ipex_train.optimize(sycl=True): without a fused step the optimizer steps on the CPU; the "
                   "parameters still live in USM shared memory")
-    sycl_step = SyclStep(queue) if queue is not None else None
-    return model, training_optimizer(optimizer, masters, fuse, param_map, sycl_step)
+    return model, training_optimizer(optimizer, masters, fuse, param_map, backend)

@@ -35,7 +35,6 @@ units, where bf16 kernels are about 10x slower. Tested with Accelerate 1.15.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
@@ -52,77 +51,27 @@ except ImportError as e:  # the plugin is optional; say what to install instead 
                       "pip install accelerate") from e
 
 from .. import compute_policy
-from ..frontend import LEVELS, optimize
+from ..config import OptimizeConfig, env_var
+from ..frontend import optimize
 
 __all__ = ["IpexTrainPlugin", "ENV_VARS"]
 
-# The environment variable each option falls back to.
-ENV_VARS = {
-    "dtype": "IPEX_TRAIN_DTYPE",
-    "level": "IPEX_TRAIN_LEVEL",
-    "split_master_weight_for_bf16": "IPEX_TRAIN_SPLIT_MASTER_WEIGHT_FOR_BF16",
-    "fuse_update_step": "IPEX_TRAIN_FUSE_UPDATE_STEP",
-    "bf16_compute": compute_policy.ENV_VAR,
-}
-
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-                "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-_AUTO = ("auto", "")
+# The plugin's options (fields of OptimizeConfig) and the environment variable each falls back to.
+OPTIONS = ("dtype", "level", "split_master_weight_for_bf16", "fuse_update_step", "bf16_compute")
+ENV_VARS = {name: env_var(name) for name in OPTIONS}
 # Distributed types the plugin serves: one process, or DDP over gloo/mpi/ccl on CPUs.
 _SERVED = (DistributedType.NO, DistributedType.MULTI_CPU)
 
 
-def _parse_dtype(value: Any, where: str) -> torch.dtype | None:
-    if value is None or (isinstance(value, torch.dtype) and value in _DTYPE_NAMES.values()):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
-        return _DTYPE_NAMES[value.strip().lower()]
-    if isinstance(value, str) and value.strip().lower() in _AUTO:
-        return None
-    raise ValueError(f"IpexTrainPlugin: {where}={value!r} is not accepted; use torch.bfloat16 / 'bf16', "
-                     "torch.float32 / 'fp32', or None / 'auto' (follow accelerator.mixed_precision)")
-
-
-def _parse_level(value: Any, where: str) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, str) and value.strip().upper() in LEVELS:
-        return value.strip().upper()
-    raise ValueError(f"IpexTrainPlugin: {where}={value!r} is not accepted; use 'O0' or 'O1'")
-
-
-def _parse_bool(value: Any, where: str) -> bool | None:
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _TRUE or text in _FALSE or text in _AUTO:
-            return True if text in _TRUE else False if text in _FALSE else None
-    raise ValueError(f"IpexTrainPlugin: {where}={value!r} is not accepted; use True/False/None, or in the "
-                     f"environment one of {', '.join(_TRUE + _FALSE)} or auto")
-
-
-def _parse_bf16_compute(value: Any, where: str) -> str | None:
-    accepted = ("auto",) + compute_policy.POLICIES
-    if value is None:
-        return None
-    if isinstance(value, str) and value.strip().lower() in accepted:
-        return value.strip().lower()
-    raise ValueError(f"IpexTrainPlugin: {where}={value!r} is not accepted; use one of {', '.join(accepted)}")
-
-
-_PARSERS = {"dtype": _parse_dtype, "level": _parse_level, "split_master_weight_for_bf16": _parse_bool,
-            "fuse_update_step": _parse_bool, "bf16_compute": _parse_bf16_compute}
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, init=False)
 class IpexTrainPlugin:
     """ipex_train for HuggingFace Accelerate: ``optimize()`` the model and optimizer, then ``accelerator.prepare``.
 
-    Each option left None is read from its environment variable (see :data:`ENV_VARS` and the module docstring),
-    else ipex_train's default applies. After construction the fields hold the resolved values (None: default).
+    The plugin holds an :class:`ipex_train.OptimizeConfig` (``config``). Its arguments are shorthand for the
+    config's fields of the same name, as optimize()'s are; each one left None is read from its environment variable
+    (``IPEX_TRAIN_<OPTION>``, see :data:`ENV_VARS` and the module docstring, and
+    :meth:`OptimizeConfig.from_env` for the other fields), else ipex_train's default applies. A ``config`` given
+    instead is used as it is (the environment is not read); arguments given next to it must agree with it.
 
     Args:
         dtype: torch.bfloat16 or torch.float32 (or "bf16"/"fp32"); None follows ``accelerator.mixed_precision``.
@@ -130,22 +79,39 @@ class IpexTrainPlugin:
         split_master_weight_for_bf16: keep bf16 weights as bf16 top + int16 residual (see optimize()).
         fuse_update_step: fused C++ optimizer step for SGD/Adam/AdamW/Adagrad/Lamb/Lars.
         bf16_compute: "auto", "native" or "emulated": how bf16 matmuls are computed (ipex_train.compute_policy).
+        config: the whole configuration at once.
 
-    Raises ValueError naming the option (or its environment variable) for a value it does not accept.
+    The options read back as attributes (``plugin.dtype`` ...: the resolved values). Raises ValueError naming the
+    option (or its environment variable) for a value it does not accept, TypeError for one of the wrong type (also
+    a ValueError).
     """
 
-    dtype: torch.dtype | str | None = None
-    level: str | None = None
-    split_master_weight_for_bf16: bool | str | None = None
-    fuse_update_step: bool | str | None = None
-    bf16_compute: str | None = None
+    config: OptimizeConfig
 
-    def __post_init__(self) -> None:
-        for name, parse in _PARSERS.items():
-            value = parse(getattr(self, name), name)
-            if value is None and os.environ.get(ENV_VARS[name]) is not None:
-                value = parse(os.environ[ENV_VARS[name]], ENV_VARS[name])
-            setattr(self, name, value)
+    def __init__(self, dtype: torch.dtype | str | None = None, level: str | None = None,
+                 split_master_weight_for_bf16: bool | str | None = None, fuse_update_step: bool | str | None = None,
+                 bf16_compute: str | None = None, *, config: OptimizeConfig | None = None) -> None:
+        options = dict(dtype=dtype, level=level, split_master_weight_for_bf16=split_master_weight_for_bf16,
+                       fuse_update_step=fuse_update_step, bf16_compute=bf16_compute)
+        try:
+            if config is None:
+                config = OptimizeConfig.from_env(**options)
+            elif not isinstance(config, OptimizeConfig):
+                raise TypeError(f"config must be an ipex_train.OptimizeConfig or None, got {type(config).__name__}")
+            else:
+                given = OptimizeConfig.from_env({}, **options)
+                config = config.merged(**{name: getattr(given, name) for name in OPTIONS})
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"IpexTrainPlugin: {e}") from None
+        object.__setattr__(self, "config", config)
+
+    dtype = property(lambda self: self.config.dtype, doc="The dtype option (None: follow mixed_precision).")
+    level = property(lambda self: self.config.level, doc="optimize()'s level.")
+    split_master_weight_for_bf16 = property(lambda self: self.config.split_master_weight_for_bf16,
+                                            doc="The split_master_weight_for_bf16 option (None: the level's).")
+    fuse_update_step = property(lambda self: self.config.fuse_update_step,
+                                doc="The fuse_update_step option (None: the level's).")
+    bf16_compute = property(lambda self: self.config.bf16_compute, doc="The bf16 compute policy (None: auto).")
 
     def resolve_dtype(self, accelerator: accelerate.Accelerator) -> torch.dtype:
         """The dtype optimize() gets under ``accelerator``: the plugin's dtype, else bf16 when the accelerator's
@@ -194,10 +160,7 @@ class IpexTrainPlugin:
                 raise ValueError(f"IpexTrainPlugin.prepare: the LR scheduler at position {i} drives another "
                                  "optimizer; create it on the optimizer passed to prepare()")
 
-        model, optimizer = optimize(
-            model, optimizer, dtype=dtype, level=self.level or "O1", inplace=True,
-            split_master_weight_for_bf16=self.split_master_weight_for_bf16,
-            fuse_update_step=self.fuse_update_step, bf16_compute=self.bf16_compute)
+        model, optimizer = optimize(model, optimizer, inplace=True, config=dataclasses.replace(self.config, dtype=dtype))
         if accelerator.mixed_precision == "bf16" and dtype != torch.bfloat16:
             # optimize() attaches the policy only to bf16 models; fp32 weights under Accelerate's bf16 autocast
             # would otherwise run bf16 matmuls.

@@ -135,8 +135,8 @@ def get(name: str) -> FusedOptimizer:
     return entry
 
 
-def _unhooked(step):
-    # Optimizer.__init__ wraps each class's step once with its step-hook runner (marked ``hooked``).
+def unhooked(step):
+    """A class's own ``step`` function: Optimizer.__init__ wraps it once with its step-hook runner (``hooked``)."""
     while getattr(step, "hooked", False):
         step = step.__wrapped__
     return step
@@ -147,5 +147,5 @@ def for_class(optimizer_class: type) -> FusedOptimizer | None:
     by_class = {o.optimizer_class: o for o in OPTIMIZERS}
     for base in optimizer_class.__mro__:
         if base in by_class:
-            return by_class[base] if _unhooked(optimizer_class.step) is _unhooked(base.step) else None
+            return by_class[base] if unhooked(optimizer_class.step) is unhooked(base.step) else None
     return None

@@ -5,7 +5,8 @@ It is an instance of a subclass of the user's optimizer class, created once per 
 ``state_dict`` are torch's own. Only three methods differ:
 
 * ``step``: per parameter group, ONE fused C++ call (:func:`_fused.fused_step`) over the params with dense grads,
-  for SGD / Adam / AdamW / Adagrad / Lamb / Lars and subclasses that keep their step. Everything else (sparse
+  for the classes of :mod:`._registry` (SGD / Adam / AdamW / Adagrad / Lamb / Lars) and subclasses that keep
+  their step. Everything else (sparse
   grads, other optimizer classes, ``fuse_update_step=False``) runs the user's class's own step with each
   low-precision parameter temporarily holding its fp32 value and an fp32 grad, then stores the result back
   (re-split, or master copied down), so the residual or master never goes stale.
@@ -14,8 +15,9 @@ It is an instance of a subclass of the user's optimizer class, created once per 
   on the user's optimizer before optimize(inplace=True) keeps driving it.
 * ``add_param_group``: parameters that are already bf16/fp16 get an fp32 truth.
 
-With ``optimize(sycl=True)`` the fused call is :meth:`SyclStep.fused_step` (the same step on a dpctl SYCL queue)
-instead, and loaded state and added parameters are moved into USM shared memory.
+With ``optimize(sycl=True)`` the optimizer holds a step backend (:class:`ipex_train.xpu.SyclBackend`): the fused
+call is its ``fused_step`` (the same step on a dpctl SYCL queue), and loaded state and added parameters go where
+it places them (USM shared memory).
 """
 from __future__ import annotations
 
@@ -28,30 +30,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._master_weights import MasterWeights, in_usm
-from . import _fused
-from .lamb import Lamb
-from .lars import Lars
-
-# AdamW derives from Adam (decoupled_weight_decay=True in its defaults), so it resolves to "adam".
-FUSED_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.Adagrad: "adagrad", Lamb: "lamb",
-               Lars: "lars"}
-
-
-def _unhooked(step):
-    # Optimizer.__init__ wraps each class's step once with its step-hook runner (marked ``hooked``).
-    while getattr(step, "hooked", False):
-        step = step.__wrapped__
-    return step
+from .._master_weights import MasterWeights
+from . import _fused, _registry
+from ._registry import unhooked
 
 
 def fused_kind(optimizer_class: type) -> str | None:
-    """The fused_step kind for ``optimizer_class``: a supported class, or a subclass that keeps its step."""
-    for base in optimizer_class.__mro__:
-        if base in FUSED_KINDS:
-            same_step = _unhooked(optimizer_class.step) is _unhooked(base.step)
-            return FUSED_KINDS[base] if same_step else None
-    return None
+    """The fused_step kind for ``optimizer_class``: a registered class, or a subclass that keeps its step."""
+    entry = _registry.for_class(optimizer_class)
+    return None if entry is None else entry.name
 
 
 def _like_param(value: Tensor, p: Tensor, clone: bool) -> Tensor:
@@ -77,55 +64,12 @@ def _normalised(entry: dict, p: Tensor, clone: bool) -> dict:
     return out
 
 
-class SyclStep:
-    """The fused step on a dpctl SYCL queue (optimize(sycl=True)): :func:`ipex_train.xpu.fused_step`, which also
-    moves new and loaded state into USM, over the USM-backed params and residuals/masters.
-
-    The kernels refuse memory that is not USM, and autograd allocates new grads with torch's allocator (after
-    ``zero_grad()``, which sets them to None by default). Such grads are copied into a USM staging buffer kept per
-    parameter; grads already in USM (``ipex_train.xpu.usm_grads`` with ``zero_grad(set_to_none=False)``) are used
-    as they are. ``p.grad`` itself is never replaced, so grad hooks, clipping and DDP's bucket views keep the
-    tensors they hold.
-    """
-
-    def __init__(self, queue):
-        self.queue = queue
-        self._staging: dict[Tensor, Tensor] = {}
-
-    def _usm_grad(self, p: Tensor, grad: Tensor) -> Tensor:
-        if in_usm(grad, self.queue):
-            return grad
-        buf = self._staging.get(p)
-        if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
-            from .. import xpu
-
-            buf = self._staging[p] = xpu.usm_tensor(grad.shape, grad.dtype, self.queue)
-        return buf.copy_(grad)
-
-    def fused_step(self, kind: str, group: dict[str, Any], state: dict, params: list[Tensor],
-                   aux: list[Tensor | None], grads: list[Tensor]) -> None:
-        """:func:`_fused.fused_step`'s arguments, run on the queue."""
-        from .. import xpu
-
-        grads = [self._usm_grad(p, g) for p, g in zip(params, grads)]
-        xpu.fused_step(kind, group, state, params, aux, grads, self.queue)
-
-    def state_to_usm(self, entry: dict) -> None:
-        """Move one parameter's optimizer state tensors into USM, in place in ``entry``; the ``step`` counter stays
-        where it is (the host reads it and passes its value to the kernels)."""
-        from .. import xpu
-
-        for key, value in entry.items():
-            if key != "step" and isinstance(value, Tensor) and value.numel() and not in_usm(value, self.queue):
-                entry[key] = xpu.to_usm(value, self.queue)
-
-
 class TrainingOptimizer(torch.optim.Optimizer):
     """Base of the classes :func:`training_optimizer` creates; see the module docstring.
 
     Instance attributes beyond torch's: ``_ipex_masters`` (the model's :class:`MasterWeights`), ``_ipex_fuse``
     (use the fused kernels), ``_ipex_source`` (weak reference to the user's optimizer when it shares this one's
-    groups and state), ``_ipex_sycl`` (the :class:`SyclStep` with optimize(sycl=True), else None).
+    groups and state), ``_ipex_sycl`` (the step backend with optimize(sycl=True), else None: the CPU step).
     """
 
     _user_class: type = torch.optim.Optimizer
@@ -178,7 +122,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
                 p.grad = grad.float()
                 swapped.append((p, low, grad))
         try:
-            _unhooked(self._user_class.step)(self)
+            unhooked(self._user_class.step)(self)
         finally:
             for p, low, grad in swapped:
                 work = p.data
@@ -196,7 +140,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         for p in params:
             self._ipex_masters.adopt(p)
         if self._ipex_sycl is not None:
-            self._ipex_masters.to_usm(params, self._ipex_sycl.queue)
+            self._ipex_sycl.place_params(self._ipex_masters, params)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, keeping the optimizer state fp32 and the param group dicts the same objects."""
@@ -216,7 +160,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
             if p is not None:
                 state[p] = _normalised(entry, p, clone=False)
                 if self._ipex_sycl is not None:
-                    self._ipex_sycl.state_to_usm(state[p])
+                    self._ipex_sycl.place_state(state[p])
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -254,13 +198,14 @@ def user_class(optimizer: torch.optim.Optimizer) -> type:
 
 
 def training_optimizer(optimizer: torch.optim.Optimizer, masters: MasterWeights, fuse: bool,
-                       param_map: dict[Tensor, Tensor] | None, sycl: SyclStep | None = None) -> TrainingOptimizer:
+                       param_map: dict[Tensor, Tensor] | None, sycl=None) -> TrainingOptimizer:
     """The optimizer optimize() returns for ``optimizer``.
 
     ``param_map`` None (inplace): the new optimizer shares the user's param group list and dicts, state and
     hooks, so schedulers and references made before stay valid; existing state is converted to fp32 in place.
     Otherwise its params are ``param_map[p]`` (the model copy's) in copied group dicts, with a copy of the
-    state; the user's optimizer is not modified. With ``sycl`` (params already in USM) the state moves into USM.
+    state; the user's optimizer is not modified. ``sycl``: the step backend (ipex_train.xpu.SyclBackend, params
+    already placed), which also places the state; None for the CPU step.
     """
     cls = training_class(user_class(optimizer))
     new = cls.__new__(cls)
@@ -288,5 +233,5 @@ def training_optimizer(optimizer: torch.optim.Optimizer, masters: MasterWeights,
             masters.adopt(p)
     if sycl is not None:
         for entry in new.state.values():
-            sycl.state_to_usm(entry)
+            sycl.place_state(entry)
     return new

@@ -25,8 +25,8 @@ Two ways to run them:
 """
 from __future__ import annotations
 
-import os
-
+from .._options import check_bool, env_bool
+from ._backend import SyclBackend
 from ._device import DEVICE_ENV, default_queue, devices, is_available, select_device, unavailable_reason
 from ._env import sycl_env
 from ._runtime import release_all
@@ -38,14 +38,20 @@ ENABLE_ENV = "IPEX_TRAIN_SYCL"
 
 def enabled(flag: bool | None = None) -> bool:
     """Whether the optimizer step should run on the SYCL queue: ``flag`` when given (the frontend's argument),
-    else ``IPEX_TRAIN_SYCL=1`` in the environment. Raises RuntimeError when asked for but no device is usable."""
+    else ``IPEX_TRAIN_SYCL`` in the environment (1/true/yes/on). Raises RuntimeError when asked for but no device
+    is usable, ValueError for an environment value that is not a switch."""
+    check_bool(flag, "enabled: flag")
     if flag is None:
-        flag = os.environ.get(ENABLE_ENV, "0") == "1"
-    if not isinstance(flag, bool):
-        raise TypeError(f"enabled: flag must be a bool or None, got {flag!r}")
+        flag = bool(env_bool(ENABLE_ENV))
     if flag and not is_available():
         raise RuntimeError(f"SYCL step requested ({ENABLE_ENV}=1 or sycl=True) but unavailable: {unavailable_reason()}")
     return flag
+
+
+def step_backend(flag: bool | None = None) -> SyclBackend | None:
+    """The step backend of an optimizer that optimize() returns: a :class:`SyclBackend` on :func:`default_queue`
+    when :func:`enabled` (``flag``), else None (the CPU step). Raises as :func:`enabled` does."""
+    return SyclBackend(default_queue()) if enabled(flag) else None
 
 
 def torch_xpu_available() -> bool:
@@ -56,7 +62,8 @@ def torch_xpu_available() -> bool:
 
 
 __all__ = [
-    "DEVICE_ENV", "ENABLE_ENV", "combine_bf16", "default_queue", "devices", "enabled", "fused_step", "is_available",
-    "is_usm", "module_to_usm", "release_all", "select_device", "split_bf16", "sycl_env", "to_usm",
+    "DEVICE_ENV", "ENABLE_ENV", "SyclBackend", "combine_bf16", "default_queue", "devices", "enabled", "fused_step",
+    "is_available",
+    "is_usm", "module_to_usm", "release_all", "select_device", "split_bf16", "step_backend", "sycl_env", "to_usm",
     "torch_xpu_available", "unavailable_reason", "usm_grads", "usm_kind", "usm_tensor",
 ]

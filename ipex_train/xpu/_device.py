@@ -5,6 +5,7 @@ import os
 import sys
 import threading
 
+from .._options import env
 from . import _runtime
 
 DEVICE_ENV = "IPEX_TRAIN_SYCL_DEVICE"
@@ -70,7 +71,7 @@ def select_device():
     """The dpctl.SyclDevice the default queue uses: ``$IPEX_TRAIN_SYCL_DEVICE`` (a dpctl filter string such as
     ``opencl:cpu``) if set, else the first GPU with USM shared allocations, else the first such device."""
     dpctl = _runtime.import_dpctl()
-    wanted = os.environ.get(DEVICE_ENV)
+    wanted = env(DEVICE_ENV)
     if wanted:
         return dpctl.SyclDevice(wanted)
     usable = [d for d in dpctl.get_devices() if d.has_aspect_usm_shared_allocations]

@@ -12,6 +12,8 @@ import sys
 import threading
 from typing import Any
 
+from .._options import env_bool
+from ..optim._registry import NAMES
 from . import _env
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,11 +36,12 @@ KERNELS_CPU = os.path.join(_ROOT, "kernels_cpu")
 # The headers the kernel source includes, as SYCL-RTC's include_files sees them (name -> file under kernels_cpu).
 _INCLUDES = {
     "kernel_abi.h": "src/kernel_abi.h",
+    "optimizers.h": "src/optimizers.h",
     "ipex_train/common.h": "include/ipex_train/common.h",
     "ipex_train/convert.h": "include/ipex_train/convert.h",
     "ipex_train/elementwise.h": "include/ipex_train/elementwise.h",
     **{f"ipex_train/updates/{k}.h": f"include/ipex_train/updates/{k}.h"
-       for k in ("adagrad", "adam", "lamb", "lars", "sgd")},
+       for k in NAMES},
 }
 
 _lock = threading.Lock()
@@ -89,7 +92,7 @@ def extension():
             # -Wno-attributes: dpctl4pybind11.hpp's classes have wider visibility than pybind11's (harmless).
             extra_cflags=["-O2", "-DSYCL_DISABLE_FSYCL_SYCLHPP_WARNING", "-Wno-attributes"],
             extra_ldflags=[f"-L{lib}", "-lsycl", f"-Wl,-rpath,{lib}"],
-            verbose=os.environ.get("IPEX_TRAIN_XPU_VERBOSE_BUILD") == "1",
+            verbose=bool(env_bool("IPEX_TRAIN_XPU_VERBOSE_BUILD")),
         )
         return _module
 

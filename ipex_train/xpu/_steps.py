@@ -8,42 +8,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..optim import _fused
+from ..optim import _fused, _layouts, _registry
+from ..optim._layouts import Layout
+from ..optim._registry import FusedOptimizer
 from . import _device, _runtime, _usm
 
-# Storage layouts, numbered as kernels_cpu/src/kernel_abi.h's Layout.
-F32, F64, SPLIT_BF16, BF16_MASTER, F16_MASTER = range(5)
 
-_GRAD_DTYPE = {F32: torch.float32, F64: torch.float64, SPLIT_BF16: torch.bfloat16, BF16_MASTER: torch.bfloat16,
-               F16_MASTER: torch.float16}
-_LAYOUT_NAME = {F32: "float32", F64: "float64", SPLIT_BF16: "split bfloat16",
-                BF16_MASTER: "bfloat16 with float32 master", F16_MASTER: "float16 with float32 master"}
-# The state lists each kind hands to the kernels, in kernel order: (key of _fused.state_lists, argument name of
-# the torch.ops.ipex_train op).
-_STATE_ARGS = {
-    "sgd": (("momentum_buffer", "momentum_buffers"),),
-    "adam": (("exp_avg", "exp_avgs"), ("exp_avg_sq", "exp_avg_sqs"), ("max_exp_avg_sq", "max_exp_avg_sqs")),
-    "adagrad": (("sum", "state_sums"),),
-    "lamb": (("exp_avg", "exp_avgs"), ("exp_avg_sq", "exp_avg_sqs")),
-    "lars": (("momentum_buffer", "momentum_buffers"),),
-}
-
-
-def _layout_of(op: str, i: int, p: Tensor, aux: Tensor | None) -> int:
+def _layout_of(op: str, i: int, p: Tensor, aux: Tensor | None) -> Layout:
+    layout = _layouts.find(p.dtype, None if aux is None else aux.dtype)
+    if layout is not None:
+        return layout
     if aux is None:
-        if p.dtype == torch.float32:
-            return F32
-        if p.dtype == torch.float64:
-            return F64
         raise TypeError(f"{op}: params[{i}] has dtype {p.dtype}; without aux[{i}] the kernel takes float32 or "
                         "float64 params (a bfloat16 param needs an int16 residual or a float32 master in aux, a "
                         "float16 param a float32 master)")
-    if aux.dtype == torch.int16 and p.dtype == torch.bfloat16:
-        return SPLIT_BF16
-    if aux.dtype == torch.float32 and p.dtype == torch.bfloat16:
-        return BF16_MASTER
-    if aux.dtype == torch.float32 and p.dtype == torch.float16:
-        return F16_MASTER
     raise TypeError(f"{op}: params[{i}] ({p.dtype}) with aux[{i}] ({aux.dtype}) is not a storage layout; expected a "
                     "bfloat16 param with an int16 residual (split), or a bfloat16/float16 param with a float32 master")
 
@@ -90,22 +68,21 @@ def _slots(op: str, params: list, aux: list, grads: list, states: dict[str, list
         if isinstance(g, Tensor) and g.is_sparse:
             raise ValueError(f"{op}: grads[{i}] is sparse; the fused kernels take dense grads only")
         _check_dense(op, g, f"grads[{i}]", device_type)
-        if g.dtype != _GRAD_DTYPE[layout]:
-            raise TypeError(f"{op}: grads[{i}] has dtype {g.dtype} but params[{i}] is stored as {_LAYOUT_NAME[layout]} "
-                            f"and needs {_GRAD_DTYPE[layout]} grads")
+        if g.dtype != layout.grad:
+            raise TypeError(f"{op}: grads[{i}] has dtype {g.dtype} but params[{i}] is stored as {layout.description} "
+                            f"and needs {layout.grad} grads")
         _check_same_shape(op, g, f"grads[{i}]", p, f"params[{i}]")
-        state_dtype = torch.float64 if layout == F64 else torch.float32
         ptrs = []
         for name, lst in states.items():
             t = lst[i]
             _check_dense(op, t, f"{name}[{i}]", device_type)
-            if t.dtype != state_dtype:
-                raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}; optimizer state for a {_LAYOUT_NAME[layout]} "
-                                f"parameter is {state_dtype}")
+            if t.dtype != layout.state:
+                raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}; optimizer state for a {layout.description} "
+                                f"parameter is {layout.state}")
             _check_same_shape(op, t, f"{name}[{i}]", p, f"params[{i}]")
             ptrs.append(t.data_ptr())
         ptrs += [0] * (3 - len(ptrs))
-        out.append((layout, p.numel(), p.data_ptr(), 0 if a is None else a.data_ptr(), g.data_ptr(), *ptrs))
+        out.append((layout.code, p.numel(), p.data_ptr(), 0 if a is None else a.data_ptr(), g.data_ptr(), *ptrs))
     return out
 
 
@@ -113,36 +90,37 @@ def _on_torch_xpu(params: list) -> bool:
     return isinstance(params[0], Tensor) and params[0].device.type == "xpu"
 
 
-def _to_usm_state(kind: str, state: MutableMapping[Tensor, dict], params: list, lists: dict[str, list], queue) -> None:
-    # state_lists creates missing state with torch's allocator (and load_state_dict restores it there): move such
+def _to_usm_state(entry: FusedOptimizer, state: MutableMapping[Tensor, dict], params: list, lists: dict[str, list],
+                  queue) -> None:
+    # entry_lists creates missing state with torch's allocator (and load_state_dict restores it there): move such
     # tensors into USM, in the optimizer's state too, so later steps find them in place.
-    for key, _ in _STATE_ARGS[kind]:
-        for i, t in enumerate(lists.get(key, [])):
+    for spec in entry.state:
+        for i, t in enumerate(lists[spec.key]):
             if t.numel() and not (t.is_contiguous() and _usm.is_usm(t, queue)):
                 moved = _usm.to_usm(t, queue)
-                state[params[i]][key] = moved
-                lists[key][i] = moved
+                state[params[i]][spec.key] = moved
+                lists[spec.key][i] = moved
 
 
 def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, dict], params: Sequence[Tensor],
                aux: Sequence[Tensor | None], grads: Sequence[Tensor], queue=None) -> None:
-    """One step of optimizer ``kind`` ("sgd", "adam", "adagrad", "lamb", "lars") for one parameter group, run by
-    the SYCL kernels on ``queue`` (a dpctl.SyclQueue; default :func:`default_queue`).
+    """One step of optimizer ``kind`` (a name of :mod:`ipex_train.optim._registry`: "sgd", "adam", "adagrad",
+    "lamb", "lars") for one parameter group, run by the SYCL kernels on ``queue`` (a dpctl.SyclQueue; default
+    :func:`default_queue`).
 
     Arguments mirror :func:`ipex_train.optim._fused.fused_step`: hyper-parameters come from ``group`` with
-    torch.optim's key names, ``state`` is the optimizer's per-parameter state (missing entries are created by
-    ``_fused.state_lists`` and kept in USM shared memory), ``aux`` is per parameter None, an int16 residual (split
+    torch.optim's key names, ``state`` is the optimizer's per-parameter state (missing entries are created as the
+    CPU step creates them and kept in USM shared memory), ``aux`` is per parameter None, an int16 residual (split
     bf16) or a float32 master. ``params``, ``aux`` and ``grads`` must be contiguous USM-backed CPU tensors of the
     queue's context (:func:`to_usm`, :func:`module_to_usm`, :func:`usm_grads`); other memory is refused with
     ValueError. Torch XPU tensors (a torch build with XPU) run on torch's current SYCL queue instead.
     """
     op = f"ipex_train.xpu.fused_step({kind!r})"
+    entry = _registry.get(kind)
     params, aux, grads = list(params), list(aux), list(grads)
-    if kind not in _fused.KINDS:
-        raise ValueError(f"kind must be one of {_fused.KINDS}, got {kind!r}")
     if not params:
         return
-    s = _fused.state_lists(kind, group, state, params)
+    lists = _fused.entry_lists(entry, group, state, params)
     if _on_torch_xpu(params):
         if queue is not None:
             raise ValueError(f"{op}: params are torch XPU tensors, which run on torch's own SYCL queue; "
@@ -151,29 +129,13 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
     else:
         queue = _device.default_queue() if queue is None else queue
         rt = _runtime.runtime(queue)
-        _to_usm_state(kind, state, params, s, queue)
-    states = {arg: s[key] for key, arg in _STATE_ARGS[kind] if s.get(key)}
-    slots = _slots(op, params, aux, grads, states)
-    lr = float(group["lr"])
-    maximize = bool(group.get("maximize", False))
-    if kind == "sgd":
-        rt.sgd(slots, list(s["fresh"]), lr, float(group["momentum"]), float(group["dampening"]),
-               float(group["weight_decay"]), bool(group["nesterov"]), maximize)
-    elif kind == "adam":
-        beta1, beta2 = (float(b) for b in group["betas"])
-        rt.adam(slots, [float(t) for t in s["step"]], lr, beta1, beta2, float(group["weight_decay"]),
-                float(group["eps"]), bool(group.get("amsgrad", False)), maximize,
-                bool(group.get("decoupled_weight_decay", False)))
-    elif kind == "adagrad":
-        rt.adagrad(slots, [float(t) for t in s["step"]], lr, float(group["lr_decay"]), float(group["weight_decay"]),
-                   float(group["eps"]), maximize)
-    elif kind == "lamb":
-        beta1, beta2 = (float(b) for b in group["betas"])
-        rt.lamb(slots, [float(t) for t in s["step"]], lr, beta1, beta2, float(group["weight_decay"]),
-                float(group["eps"]), bool(group["bias_correction"]))
-    else:
-        rt.lars(slots, lr, float(group["momentum"]), float(group["weight_decay"]), float(group["eeta"]),
-                float(group["epsilon"]))
+        _to_usm_state(entry, state, params, lists, queue)
+    slots = _slots(op, params, aux, grads, {s.arg: lists[s.key] for s in entry.state if lists[s.key]})
+    # The runtime takes the fresh flags and step counts as plain values (the host reads them anyway).
+    extra = [list(lists["fresh"])] if entry.fresh_flags else []
+    if entry.counts_steps:
+        extra.append([float(t) for t in lists["step"]])
+    getattr(rt, entry.name)(slots, *extra, *entry.kernel_args(group))
 
 
 def split_bf16(src: Tensor, queue=None) -> tuple[Tensor, Tensor]:
