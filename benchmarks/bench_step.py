@@ -36,31 +36,41 @@ from pathlib import Path
 import torch
 
 from ipex_train import _ops
-from ipex_train.optim import Lamb, Lars, _fused
+from ipex_train.optim import _fused, _layouts, _registry
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "lamb", "lars")
+# Rows: every registered optimizer, and AdamW (Adam's kernel with decoupled weight decay, its own torch baseline).
+OPTIMIZERS = _registry.NAMES[:2] + ("adamw",) + _registry.NAMES[2:]
+KIND = {o: "adam" if o == "adamw" else o for o in OPTIMIZERS}
 LAYOUTS = ("fp32", "split_bf16", "bf16_master", "fp16_master", "fp64")
 DEFAULT_LAYOUTS = LAYOUTS[:4]
 
-# Hyper-parameters: torch.optim's for the four it has (the same values run in torch's fused baseline).
-TORCH_CLASSES = {
-    "sgd": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9)),
-    "adam": (torch.optim.Adam, dict(lr=1e-3)),
-    "adamw": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=1e-2)),
-    "adagrad": (torch.optim.Adagrad, dict(lr=1e-2)),
-}
-OURS_ONLY = {"lamb": (Lamb, dict(lr=1e-3, weight_decay=1e-2)), "lars": (Lars, dict(lr=0.1, momentum=0.9))}
-# torch fused fp32 optimizer each of ours is compared with
-BASELINE = {"sgd": "sgd", "adam": "adam", "adamw": "adamw", "adagrad": "adagrad", "lamb": "adam", "lars": "sgd"}
-KIND = {"sgd": "sgd", "adam": "adam", "adamw": "adam", "adagrad": "adagrad", "lamb": "lamb", "lars": "lars"}
-STATES = {"sgd": 1, "adam": 2, "adamw": 2, "adagrad": 1, "lamb": 2, "lars": 1}
+# Hyper-parameters of each row (torch.optim's classes get the same values in torch's fused baseline); the class is
+# the registry's, AdamW's for the AdamW row.
+HYPER = {"sgd": dict(lr=1e-2, momentum=0.9), "adam": dict(lr=1e-3), "adamw": dict(lr=1e-3, weight_decay=1e-2),
+         "adagrad": dict(lr=1e-2), "lamb": dict(lr=1e-3, weight_decay=1e-2), "lars": dict(lr=0.1, momentum=0.9)}
+# torch fused fp32 optimizer each of ours is compared with (torch has no Lamb or Lars)
+BASELINE = {o: {"lamb": "adam", "lars": "sgd"}.get(o, o) for o in OPTIMIZERS}
 
-# Bytes per element of each layout: reading the working value, writing it back (plus the 16-bit copy for the master
-# layouts, written but never read), the grad, and one element of optimizer state.
-READ = {"fp32": 4, "split_bf16": 4, "bf16_master": 4, "fp16_master": 4, "fp64": 8}
-WRITE = {"fp32": 4, "split_bf16": 4, "bf16_master": 6, "fp16_master": 6, "fp64": 8}
-GRAD = {"fp32": 4, "split_bf16": 2, "bf16_master": 2, "fp16_master": 2, "fp64": 8}
-STATE = {"fp32": 4, "split_bf16": 4, "bf16_master": 4, "fp16_master": 4, "fp64": 8}
+
+def optimizer_class(opt: str) -> type:
+    """The optimizer class of row ``opt``."""
+    return torch.optim.AdamW if opt == "adamw" else _registry.get(opt).optimizer_class
+
+
+def state_tensors(opt: str) -> int:
+    """How many state tensors per parameter row ``opt`` keeps with its hyper-parameters."""
+    group = optimizer_class(opt)([torch.zeros(1)], **HYPER[opt]).param_groups[0]
+    return sum(s.present(group) for s in _registry.get(KIND[opt]).state)
+
+
+# Bytes per element of each layout: reading the working value (fp32/fp64, whether plain, split or a master),
+# writing it back (plus the 16-bit copy for the master layouts, written but never read), the grad, and one element
+# of optimizer state.
+_LAY = {name: _layouts.BY_NAME[name] for name in LAYOUTS}
+READ = {n: lay.state.itemsize for n, lay in _LAY.items()}
+WRITE = {n: READ[n] + (lay.param.itemsize if lay.aux == torch.float32 else 0) for n, lay in _LAY.items()}
+GRAD = {n: lay.grad.itemsize for n, lay in _LAY.items()}
+STATE = {n: lay.state.itemsize for n, lay in _LAY.items()}
 
 ROOF_BYTES_PER_ELEMENT = 12  # a.add_(b): read a, read b, write a
 TARGET_ROOF = 0.90
@@ -80,7 +90,7 @@ def bytes_per_element(opt: str, layout: str) -> int:
         return (r + g + 4 * s) + (r + w + 2 * s)
     if opt == "lars":
         return (r + g) + (r + w + g + 2 * s)
-    return r + w + g + 2 * s * STATES[opt]
+    return r + w + g + 2 * s * state_tensors(opt)
 
 
 def parse_size(text: str) -> int:
@@ -124,8 +134,7 @@ def _sizes(n: int, tensors: int) -> list[int]:
 
 
 def _group(opt: str) -> dict:
-    cls, hp = TORCH_CLASSES.get(opt) or OURS_ONLY[opt]
-    group = dict(cls([torch.zeros(1)], **hp).param_groups[0])
+    group = dict(optimizer_class(opt)([torch.zeros(1)], **HYPER[opt]).param_groups[0])
     del group["params"]
     return group
 
@@ -135,8 +144,7 @@ class OurStep:
 
     def __init__(self, opt: str, layout: str, n: int, tensors: int):
         self.kind, self.group = KIND[opt], _group(opt)
-        grad_dtype = {"fp32": torch.float32, "fp64": torch.float64, "split_bf16": torch.bfloat16,
-                      "bf16_master": torch.bfloat16, "fp16_master": torch.float16}[layout]
+        grad_dtype = _layouts.BY_NAME[layout].grad
         self.params, self.aux, self.grads = [], [], []
         for k in _sizes(n, tensors):
             w = torch.empty(k, dtype=torch.float64 if layout == "fp64" else torch.float32).normal_()
@@ -159,13 +167,12 @@ class TorchStep:
     """One step of torch's ``fused=True`` fp32 optimizer over ``n`` parameters."""
 
     def __init__(self, opt: str, n: int, tensors: int):
-        cls, hp = TORCH_CLASSES[opt]
         self.params = []
         for k in _sizes(n, tensors):
             p = torch.empty(k).normal_()
             p.grad = torch.empty(k).normal_(std=1e-2)
             self.params.append(p)
-        self.opt = cls(self.params, fused=True, **hp)
+        self.opt = optimizer_class(opt)(self.params, fused=True, **HYPER[opt])
 
     def __call__(self) -> None:
         self.opt.step()

@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from ipex_train import _ops
-from ipex_train.optim import _fused, _reference
+from ipex_train.optim import _fused, _layouts, _reference, _registry
 
 ops = torch.ops.ipex_train
 
-LAYOUTS = ("fp32", "fp64", "split_bf16", "bf16_master", "fp16_master")
-GRAD_DTYPE = {"fp32": torch.float32, "fp64": torch.float64, "split_bf16": torch.bfloat16,
-              "bf16_master": torch.bfloat16, "fp16_master": torch.float16}
+LAYOUTS = tuple(_layouts.BY_NAME)
+GRAD_DTYPE = {lay.name: lay.grad for lay in _layouts.LAYOUTS}
 # Odd sizes leave vector tails; together they exceed the kernels' 64Ki-element threading threshold, and the last
 # tensor alone spans three 32Ki-element chunks, so the threaded path runs in every test that uses them.
 SHAPES = ((1,), (17,), (31, 33), (5, 7, 11), (75_013,))
@@ -108,7 +107,7 @@ CASES = [
     ("lars", "wd0_no_momentum", dict(weight_decay=0.0, momentum=0.0)),
 ]
 CASE_IDS = [f"{k}-{n}" for k, n, _ in CASES]
-KINDS = ("sgd", "adam", "adamw", "adagrad", "lamb", "lars")
+KINDS = _registry.NAMES + ("adamw",)  # every registered optimizer, and AdamW (Adam's kernel, decoupled decay)
 
 
 def op_kind(kind: str) -> str:
@@ -564,7 +563,7 @@ def call_op(kind: str, g: dict, params, aux, grads, states, steps) -> None:
                       g["epsilon"])
 
 
-N_STATES = {"sgd": 1, "adam": 3, "adagrad": 1, "lamb": 2, "lars": 1}
+N_STATES = {o.name: len(o.state) for o in _registry.OPTIMIZERS}
 SHAPE4 = (3, 6, 5, 7)
 
 
@@ -595,7 +594,7 @@ ARRANGEMENTS = {
 
 @pytest.mark.parametrize("arrangement", sorted(ARRANGEMENTS))
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ("sgd", "adam", "adagrad", "lamb", "lars"))
+@pytest.mark.parametrize("kind", _registry.NAMES)
 def test_strided_tensors_match_contiguous(kind, layout, arrangement):
     how = ARRANGEMENTS[arrangement]
     group = make_group(kind, "strided")

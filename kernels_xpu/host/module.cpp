@@ -5,7 +5,8 @@
 // Runtime for the life of the process), checks that every pointer it is handed is USM memory of the queue's
 // context, computes the per-parameter coefficients with the same header functions kernels_cpu uses, and launches
 // one kernel per parameter. Argument checks on dtypes and shapes are done in Python (ipex_train/xpu/_steps.py)
-// before anything reaches this file.
+// before anything reaches this file. The step methods are bound, and their kernels named, from the lists in
+// kernels_cpu/src/optimizers.h.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -301,12 +302,10 @@ class Runtime {
                                                             int(Layout::kBF16Master), int(Layout::kF16Master)};
     for (int l : layouts) {
       const std::string a = std::to_string(l);
-      for (const char* flags : {", false, false>", ", true, false>", ", true, true>"})
-        names.push_back("itx::sgd<" + a + flags);
-      names.push_back("itx::adam<" + a + ", false>");
-      names.push_back("itx::adam<" + a + ", true>");
-      for (const char* k : {"adagrad", "lamb_moments", "lamb_apply", "lars_norms", "lars_apply"})
-        names.push_back(std::string("itx::") + k + "<" + a + ">");
+#define ITX_NAMES(entry, params, ...) \
+  for (const char* flags : {__VA_ARGS__}) names.push_back("itx::" #entry "<" + a + flags);
+      ITR_KERNELS(ITX_NAMES)
+#undef ITX_NAMES
     }
     if (!f64) {
       names.push_back("itx::split_bf16");
@@ -441,7 +440,8 @@ std::shared_ptr<Runtime> runtime_from_queue_address(uintptr_t address, std::stri
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using ipex_train::xpu::Runtime;
   m.doc() = "kernels_xpu host glue: fused optimizer steps on a SYCL queue (kernels compiled at run time)";
-  py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
+  py::class_<Runtime, std::shared_ptr<Runtime>> runtime(m, "Runtime");
+  runtime
       .def(py::init<sycl::queue, std::string, std::vector<std::pair<std::string, std::string>>>(), py::arg("queue"),
            py::arg("source"), py::arg("includes"))
       .def_static("from_queue_address", &ipex_train::xpu::runtime_from_queue_address, py::arg("queue_address"),
@@ -450,11 +450,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pointer_type", &Runtime::pointer_type, py::arg("address"))
       .def("kernel_count", &Runtime::kernel_count)
       .def("device_name", &Runtime::device_name)
-      .def("sgd", &Runtime::sgd)
-      .def("adam", &Runtime::adam)
-      .def("adagrad", &Runtime::adagrad)
-      .def("lamb", &Runtime::lamb)
-      .def("lars", &Runtime::lars)
       .def("split_bf16", &Runtime::split_bf16)
       .def("combine_bf16", &Runtime::combine_bf16);
+#define ITX_BIND(name, args) runtime.def(#name, &Runtime::name);
+  ITR_OPTIMIZERS(ITX_BIND)
+#undef ITX_BIND
 }
