@@ -51,7 +51,7 @@ inline std::vector<Job> jobs_of(const std::vector<Slot>& slots, int64_t* total) 
 // Runs fn(slot, chunk, job index) over every chunk of the group on torch's thread pool. Each thread takes the next
 // chunk in list order when it finishes one, instead of a fixed share of the list: a core slowed down by another
 // process (or a slower core type) then simply does fewer chunks, where a fixed split left the other threads waiting
-// for it (5-25% of a step on this project's shared 2-core VM). Results never depend on which thread ran a chunk.
+// for it (measured: benchmarks/reports/kernels_cpu.md). Results never depend on which thread ran a chunk.
 template <class Fn>
 void for_each_chunk(const std::vector<Slot>& slots, const std::vector<Job>& jobs, int64_t total, const Fn& fn) {
   const int64_t n_jobs = int64_t(jobs.size());

@@ -31,7 +31,7 @@ struct Chunk {
   int64_t n;
   // CPU only: write the 16-bit param of the master layouts with non-temporal stores. Nothing in the step reads those
   // lines, so a plain store first reads each line from memory; for groups far larger than the caches that is 2
-  // wasted bytes per element (3-11% of a master-layout step at 50M here). The SYCL kernels ignore it.
+  // wasted bytes per element (measured: benchmarks/reports/kernels_cpu.md). The SYCL kernels ignore it.
   bool stream16 = false;
 };
 
