@@ -62,4 +62,13 @@ ITR_FN T lerp(T self, T end, T weight, bool low) {
   return end - diff * (T(1) - weight);
 }
 }  // namespace math
+
+// The optimizer state arrays of a chunk, in the layout's Real type.
+template <class R>
+struct State {
+  R* s0;
+  R* s1;
+  R* s2;
+};
+
 }  // namespace ipex_train

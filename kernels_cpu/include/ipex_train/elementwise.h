@@ -1,6 +1,7 @@
-// One optimizer step of one element (or of one CPU vector of elements), for every storage layout: shared by the
-// CPU loops (kernels_cpu/src/loops.h) and the SYCL kernels (kernels_xpu/rtc/steps.cpp), which differ only in how
-// they walk the elements and in the access (storage::Scalar, or kernels_cpu/src/simd.h's vectors) they read with.
+// The storage layouts, and with updates/*.h (one per optimizer: its math and element::<name>, the step of one
+// element or of one CPU vector of elements) everything the CPU loops (kernels_cpu/src/loops.h) and the SYCL kernels
+// (kernels_xpu/rtc/steps.cpp) share; they differ only in how they walk the elements and in the access
+// (storage::Scalar, or kernels_cpu/src/simd.h's vectors) they read with.
 #pragma once
 
 #include "common.h"
@@ -120,86 +121,9 @@ struct Of<A, Layout::kF16Master> { using type = Master16<A, true>; };
 
 }  // namespace storage
 
-// The optimizer state arrays of a chunk, in the layout's Real type.
-template <class R>
-struct State {
-  R* s0;
-  R* s1;
-  R* s2;
-};
-
 template <class R>
 ITR_FN State<R> state_of(const Chunk& c) {
   return {static_cast<R*>(c.state[0]), static_cast<R*>(c.state[1]), static_cast<R*>(c.state[2])};
 }
 
-// One element's step. S is a storage layout, T its working type; i indexes the chunk.
-namespace element {
-
-// One element's (or one vector's) step. S is a storage layout, S::T its working type; i indexes the chunk.
-template <bool MOMENTUM, bool NESTEROV, class S>
-ITR_FN void sgd(const S& st, const State<typename S::Real>& s, int64_t i, const updates::SgdCoef<typename S::T>& k) {
-  using T = typename S::T;
-  T w = st.load(i);
-  T buf = MOMENTUM ? S::get(s.s0, i) : T(0);
-  updates::sgd<T, MOMENTUM, NESTEROV>(w, st.grad(i), buf, k);
-  if (MOMENTUM) S::put(s.s0, i, buf);
-  st.store(i, w);
-}
-
-template <bool AMSGRAD, class S>
-ITR_FN void adam(const S& st, const State<typename S::Real>& s, int64_t i, const updates::AdamCoef<typename S::T>& k) {
-  using T = typename S::T;
-  T w = st.load(i);
-  T m = S::get(s.s0, i), v = S::get(s.s1, i), vmax = AMSGRAD ? S::get(s.s2, i) : T(0);
-  updates::adam<T, AMSGRAD>(w, st.grad(i), m, v, vmax, k);
-  S::put(s.s0, i, m);
-  S::put(s.s1, i, v);
-  if (AMSGRAD) S::put(s.s2, i, vmax);
-  st.store(i, w);
-}
-
-template <class S>
-ITR_FN void adagrad(const S& st, const State<typename S::Real>& s, int64_t i,
-                    const updates::AdagradCoef<typename S::T>& k) {
-  using T = typename S::T;
-  T w = st.load(i);
-  T sum = S::get(s.s0, i);
-  updates::adagrad<T>(w, st.grad(i), sum, k);
-  S::put(s.s0, i, sum);
-  st.store(i, w);
-}
-
-// Lamb's first pass: updates the moments; w and u (the update direction) feed the caller's sums of squares.
-template <class S, class T = typename S::T>
-ITR_FN void lamb_moments(const S& st, const State<typename S::Real>& s, int64_t i, const updates::LambCoef<T>& k, T& w,
-                         T& u) {
-  w = st.load(i);
-  T m = S::get(s.s0, i), v = S::get(s.s1, i);
-  u = updates::lamb_moments<T>(w, st.grad(i), m, v, k);
-  S::put(s.s0, i, m);
-  S::put(s.s1, i, v);
-}
-
-template <class S>
-ITR_FN void lamb_apply(const S& st, const State<typename S::Real>& s, int64_t i,
-                       const updates::LambCoef<typename S::T>& k) {
-  using T = typename S::T;
-  T w = st.load(i);
-  updates::lamb_apply<T>(w, S::get(s.s0, i), S::get(s.s1, i), k);
-  st.store(i, w);
-}
-
-template <class S>
-ITR_FN void lars_apply(const S& st, const State<typename S::Real>& s, int64_t i,
-                       const updates::LarsCoef<typename S::T>& k) {
-  using T = typename S::T;
-  T w = st.load(i);
-  T buf = S::get(s.s0, i);
-  updates::lars<T>(w, st.grad(i), buf, k);
-  S::put(s.s0, i, buf);
-  st.store(i, w);
-}
-
-}  // namespace element
 }  // namespace ipex_train

@@ -36,4 +36,21 @@ ITR_FN void adagrad(T& w, T g, T& sum, const AdagradCoef<T>& c) {
 }
 
 }  // namespace updates
+
+// One element's (or one CPU vector's) step: S is a storage layout (ipex_train/elementwise.h), S::T its working type,
+// s the chunk's state arrays; i indexes the chunk.
+namespace element {
+
+template <class S>
+ITR_FN void adagrad(const S& st, const State<typename S::Real>& s, int64_t i,
+                    const updates::AdagradCoef<typename S::T>& k) {
+  using T = typename S::T;
+  T w = st.load(i);
+  T sum = S::get(s.s0, i);
+  updates::adagrad<T>(w, st.grad(i), sum, k);
+  S::put(s.s0, i, sum);
+  st.store(i, w);
+}
+
+}  // namespace element
 }  // namespace ipex_train

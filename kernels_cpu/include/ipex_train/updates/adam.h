@@ -61,4 +61,22 @@ ITR_FN void adam(T& w, T g, T& m, T& v, T& vmax, const AdamCoef<T>& c) {
 }
 
 }  // namespace updates
+
+// One element's (or one CPU vector's) step: S is a storage layout (ipex_train/elementwise.h), S::T its working type,
+// s the chunk's state arrays; i indexes the chunk.
+namespace element {
+
+template <bool AMSGRAD, class S>
+ITR_FN void adam(const S& st, const State<typename S::Real>& s, int64_t i, const updates::AdamCoef<typename S::T>& k) {
+  using T = typename S::T;
+  T w = st.load(i);
+  T m = S::get(s.s0, i), v = S::get(s.s1, i), vmax = AMSGRAD ? S::get(s.s2, i) : T(0);
+  updates::adam<T, AMSGRAD>(w, st.grad(i), m, v, vmax, k);
+  S::put(s.s0, i, m);
+  S::put(s.s1, i, v);
+  if (AMSGRAD) S::put(s.s2, i, vmax);
+  st.store(i, w);
+}
+
+}  // namespace element
 }  // namespace ipex_train

@@ -34,4 +34,21 @@ ITR_FN void lars(T& w, T g, T& buf, const LarsCoef<T>& c) {
 }
 
 }  // namespace updates
+
+// One element's (or one CPU vector's) step: S is a storage layout (ipex_train/elementwise.h), S::T its working type,
+// s the chunk's state arrays; i indexes the chunk.
+namespace element {
+
+template <class S>
+ITR_FN void lars_apply(const S& st, const State<typename S::Real>& s, int64_t i,
+                       const updates::LarsCoef<typename S::T>& k) {
+  using T = typename S::T;
+  T w = st.load(i);
+  T buf = S::get(s.s0, i);
+  updates::lars<T>(w, st.grad(i), buf, k);
+  S::put(s.s0, i, buf);
+  st.store(i, w);
+}
+
+}  // namespace element
 }  // namespace ipex_train

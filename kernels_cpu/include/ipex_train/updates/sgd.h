@@ -41,4 +41,20 @@ ITR_FN void sgd(T& w, T g, T& buf, const SgdCoef<T>& c) {
 }
 
 }  // namespace updates
+
+// One element's (or one CPU vector's) step: S is a storage layout (ipex_train/elementwise.h), S::T its working type,
+// s the chunk's state arrays; i indexes the chunk.
+namespace element {
+
+template <bool MOMENTUM, bool NESTEROV, class S>
+ITR_FN void sgd(const S& st, const State<typename S::Real>& s, int64_t i, const updates::SgdCoef<typename S::T>& k) {
+  using T = typename S::T;
+  T w = st.load(i);
+  T buf = MOMENTUM ? S::get(s.s0, i) : T(0);
+  updates::sgd<T, MOMENTUM, NESTEROV>(w, st.grad(i), buf, k);
+  if (MOMENTUM) S::put(s.s0, i, buf);
+  st.store(i, w);
+}
+
+}  // namespace element
 }  // namespace ipex_train
