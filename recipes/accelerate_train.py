@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     # Skip the first steps (allocations, kernel selection) in the timing.
     median_s = statistics.median(step_times[min(3, len(step_times) - 1):])
     metrics = {
-        "plugin": None if plugin is None else {k: str(v) for k, v in vars(plugin).items()},
+        "plugin": None if plugin is None else {k: str(v) for k, v in plugin.config.to_dict().items()},
         "dtype": str(plugin.resolve_dtype(accelerator) if plugin else torch.float32),
         "mixed_precision": accelerator.mixed_precision,
         "num_processes": accelerator.num_processes,
