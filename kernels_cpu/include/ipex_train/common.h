@@ -71,4 +71,19 @@ struct State {
   R* s2;
 };
 
+namespace element {
+
+// The step of element i of an optimizer whose state is one tensor: update(w, g, x) on the element's working value
+// w, grad g and state x, read and written through storage layout S (ipex_train/elementwise.h).
+template <class S, class Update>
+ITR_FN void with_one_state(const S& st, const State<typename S::Real>& s, int64_t i, const Update& update) {
+  typename S::T w = st.load(i);
+  typename S::T x = S::get(s.s0, i);
+  update(w, st.grad(i), x);
+  S::put(s.s0, i, x);
+  st.store(i, w);
+}
+
+}  // namespace element
+
 }  // namespace ipex_train

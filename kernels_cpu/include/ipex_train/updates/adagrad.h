@@ -45,11 +45,7 @@ template <class S>
 ITR_FN void adagrad(const S& st, const State<typename S::Real>& s, int64_t i,
                     const updates::AdagradCoef<typename S::T>& k) {
   using T = typename S::T;
-  T w = st.load(i);
-  T sum = S::get(s.s0, i);
-  updates::adagrad<T>(w, st.grad(i), sum, k);
-  S::put(s.s0, i, sum);
-  st.store(i, w);
+  with_one_state(st, s, i, [&](T& w, T g, T& sum) { updates::adagrad<T>(w, g, sum, k); });
 }
 
 }  // namespace element

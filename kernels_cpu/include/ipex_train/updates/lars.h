@@ -43,11 +43,7 @@ template <class S>
 ITR_FN void lars_apply(const S& st, const State<typename S::Real>& s, int64_t i,
                        const updates::LarsCoef<typename S::T>& k) {
   using T = typename S::T;
-  T w = st.load(i);
-  T buf = S::get(s.s0, i);
-  updates::lars<T>(w, st.grad(i), buf, k);
-  S::put(s.s0, i, buf);
-  st.store(i, w);
+  with_one_state(st, s, i, [&](T& w, T g, T& buf) { updates::lars<T>(w, g, buf, k); });
 }
 
 }  // namespace element
