@@ -209,6 +209,9 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             without a fused step run their own step on the CPU. Needs dpctl (the ``xpu`` extra). None (default)
             defers to IPEX_TRAIN_SYCL=1; False turns it off.
 
+    For inference it turns torch's TorchScript oneDNN Graph fusion switch on, so the user's torch.jit.trace +
+    torch.jit.freeze fuse (logged at INFO; ipex_train.enable_onednn_fusion(False) opts out).
+
     Raises TypeError/ValueError for bad arguments, and RuntimeError when SYCL is asked for but unavailable, before
     anything is modified.
     """
@@ -224,6 +227,9 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
     queue = _sycl_queue(sycl, training=optimizer is not None)
 
     if optimizer is None:
+        from .inference import jit
+
+        jit.onednn_fusion_enabled()  # raises for a bad IPEX_TRAIN_ONEDNN_FUSION before anything changes
         if not inplace:
             model, _ = _copy_model(model)
         _inference_passes(model, flags, sample_input)
@@ -235,6 +241,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
                 m.register_forward_pre_hook(cast_inputs)
         if dtype == torch.bfloat16:
             _attach_compute_policy(model, bf16_compute)
+        jit.enable_torchscript_fusion()
         return model
 
     already = isinstance(optimizer, TrainingOptimizer)
