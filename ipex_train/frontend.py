@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from . import _channels_last
+from . import _channels_last, _summary
 from ._master_weights import LOW_PRECISION, MasterWeights, cast_inputs, convertible_parameters, set_memory_format
 from .optim._wrapper import SyclStep, TrainingOptimizer, fused_kind, training_optimizer, user_class
 
@@ -209,8 +209,9 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             without a fused step run their own step on the CPU. Needs dpctl (the ``xpu`` extra). None (default)
             defers to IPEX_TRAIN_SYCL=1; False turns it off.
 
-    For inference it turns torch's TorchScript oneDNN Graph fusion switch on, so the user's torch.jit.trace +
-    torch.jit.freeze fuse (logged at INFO; ipex_train.enable_onednn_fusion(False) opts out).
+    Each call logs one line at INFO on the "ipex_train" logger saying what it did (ipex_train.summary(model,
+    optimizer) returns it as data). For inference it also turns torch's TorchScript oneDNN Graph fusion switch on,
+    so the user's torch.jit.trace + torch.jit.freeze fuse (logged; ipex_train.enable_onednn_fusion(False) opts out).
 
     Raises TypeError/ValueError for bad arguments, and RuntimeError when SYCL is asked for but unavailable, before
     anything is modified.
@@ -242,6 +243,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         if dtype == torch.bfloat16:
             _attach_compute_policy(model, bf16_compute)
         jit.enable_torchscript_fusion()
+        _summary.record(model, None, dtype)
         return model
 
     already = isinstance(optimizer, TrainingOptimizer)
@@ -276,4 +278,6 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         _log.info("ipex_train.optimize(sycl=True): without a fused step the optimizer steps on the CPU; the "
                   "parameters still live in USM shared memory")
     sycl_step = SyclStep(queue) if queue is not None else None
-    return model, training_optimizer(optimizer, masters, fuse, param_map, sycl_step)
+    optimizer = training_optimizer(optimizer, masters, fuse, param_map, sycl_step)
+    _summary.record(model, optimizer, dtype)
+    return model, optimizer
