@@ -19,20 +19,37 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _sycl_available() -> bool:
+def _sycl() -> tuple[list[dict], str | None]:
+    """The SYCL devices dpctl lists (name, filter string, type, backend, USM support, whether the optimizer step's
+    default queue would use it) and why the SYCL step cannot run here (None when it can). Never raises: a missing
+    dpctl or a broken driver install reads as no device, with the reason."""
     try:
         from . import xpu
-    except ImportError:
-        return False
-    return xpu.is_available()
+
+        reason = xpu.unavailable_reason()
+        found = xpu.devices()
+    except Exception as e:  # ImportError without dpctl; anything a broken OpenCL/SYCL install raises
+        return [], f"{type(e).__name__}: {e}"
+    try:
+        selected = xpu.select_device().filter_string if reason is None else None
+    except Exception as e:  # e.g. IPEX_TRAIN_SYCL_DEVICE names no device
+        selected, reason = None, f"{type(e).__name__}: {e}"
+    keys = ("name", "filter_string", "device_type", "backend", "usm_shared", "usm_device", "usm_host")
+    return [dict({k: d[k] for k in keys}, default=d["filter_string"] == selected) for d in found], reason
 
 
 def info() -> dict:
-    """A dict describing the torch version, CPU model, ISA features, kernel variant, threads and backends."""
+    """A dict describing the torch version, CPU model, ISA features, kernel variant, threads and backends.
+
+    SYCL: ``sycl_available`` (the optimizer step can run on a SYCL device), ``sycl_devices`` (every device dpctl
+    lists: name, filter_string, device_type, backend, usm_shared/usm_device/usm_host, and ``default`` for the one
+    optimize(sycl=True) would use) and ``sycl_unavailable_reason`` (None when available).
+    """
     from . import compute_policy
 
     features = _ops.cpu_features()
     policy = compute_policy.info()
+    devices, reason = _sycl()
     return {
         "ipex_train": __import__("ipex_train").__version__,
         "torch": torch.__version__,
@@ -44,5 +61,7 @@ def info() -> dict:
         "threads": torch.get_num_threads(),
         "bf16_compute_policy": policy["bf16_compute"],
         "bf16_compute_chosen_by": policy["chosen_by"],
-        "sycl_available": _sycl_available(),
+        "sycl_available": reason is None,
+        "sycl_devices": devices,
+        "sycl_unavailable_reason": reason,
     }
