@@ -14,9 +14,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._ops import ops
+from .._ops import check_step_args, ops
 
 KINDS = ("sgd", "adam", "adagrad", "lamb", "lars")
+# The state lists each kind hands to the kernels, in kernel order: (key of state_lists, argument name of the op).
+STATE_ARGS = {
+    "sgd": (("momentum_buffer", "momentum_buffers"),),
+    "adam": (("exp_avg", "exp_avgs"), ("exp_avg_sq", "exp_avg_sqs"), ("max_exp_avg_sq", "max_exp_avg_sqs")),
+    "adagrad": (("sum", "state_sums"),),
+    "lamb": (("exp_avg", "exp_avgs"), ("exp_avg_sq", "exp_avg_sqs")),
+    "lars": (("momentum_buffer", "momentum_buffers"),),
+}
 
 
 def state_dtype(p: Tensor) -> torch.dtype:
@@ -96,6 +104,8 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
             fused_step(kind, group, state, [params[i] for i in idx], [aux[i] for i in idx], [grads[i] for i in idx])
         return
     s = state_lists(kind, group, state, params)
+    check_step_args(f"ipex_train::{kind}_step", params, aux, grads,
+                    {arg: s[key] for key, arg in STATE_ARGS[kind] if s.get(key)}, s.get("step"))
     lr = float(group["lr"])
     maximize = bool(group.get("maximize", False))
     if kind == "sgd":
