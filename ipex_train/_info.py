@@ -1,6 +1,7 @@
 """ipex_train.info(): what this machine offers and what ipex_train will use on it."""
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
@@ -17,6 +18,22 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _openmp_runtimes() -> list[str]:
+    """The OpenMP runtime files loaded in this process, read from /proc/self/maps ([] where there is none). The
+    extension is built with -fopenmp for at::parallel_for and must share torch's runtime: a second one (a wheel
+    whose bundled libgomp has another SONAME, or torch on Intel's libiomp5) gives two thread pools."""
+    found = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split(maxsplit=5)[-1].strip()
+                if path.startswith("/") and os.path.basename(path).startswith(("libgomp", "libiomp", "libomp")):
+                    found.add(path)
+    except OSError:
+        pass
+    return sorted(found)
 
 
 def _sycl() -> tuple[list[dict], str | None]:
@@ -41,6 +58,7 @@ def _sycl() -> tuple[list[dict], str | None]:
 def info() -> dict:
     """A dict describing the torch version, CPU model, ISA features, kernel variant, threads and backends.
 
+    ``openmp_runtimes``: the OpenMP runtime files loaded (one, torch's, in a sound install).
     SYCL: ``sycl_available`` (the optimizer step can run on a SYCL device), ``sycl_devices`` (every device dpctl
     lists: name, filter_string, device_type, backend, usm_shared/usm_device/usm_host, and ``default`` for the one
     optimize(sycl=True) would use) and ``sycl_unavailable_reason`` (None when available).
@@ -59,6 +77,7 @@ def info() -> dict:
         "kernel_variant": _ops.kernel_variant(),
         "kernel_variants_supported": _ops.supported_kernel_variants(),
         "threads": torch.get_num_threads(),
+        "openmp_runtimes": _openmp_runtimes(),
         "bf16_compute_policy": policy["bf16_compute"],
         "bf16_compute_chosen_by": policy["chosen_by"],
         "sycl_available": reason is None,

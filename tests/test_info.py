@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import ipex_train
 from ipex_train import xpu
@@ -75,3 +76,13 @@ def test_unknown_device_selection_is_the_reason(monkeypatch):
     data = ipex_train.info()
     assert data["sycl_available"] is False and "level_zero:gpu:7" in data["sycl_unavailable_reason"]
     assert data["sycl_devices"] and not any(d["default"] for d in data["sycl_devices"])
+
+
+def test_one_openmp_runtime_shared_with_torch():
+    # The kernels' OpenMP regions (at::parallel_for compiled into the extension) must run on torch's runtime.
+    torch.ops.ipex_train.split_bf16(torch.randn(1 << 17))  # large enough for a parallel region
+    runtimes = ipex_train.info()["openmp_runtimes"]
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("no /proc/self/maps on this OS")
+    torch_dir = os.path.dirname(os.path.dirname(os.path.realpath(torch.__file__)))
+    assert len(runtimes) == 1 and os.path.realpath(runtimes[0]).startswith(torch_dir), runtimes
