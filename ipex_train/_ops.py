@@ -3,7 +3,7 @@
 Importing this module loads ``ipex_train._C``, whose TORCH_LIBRARY block registers the ``torch.ops.ipex_train``
 ops, and gives each op a fake (meta) implementation so ``torch.compile`` and FakeTensor tracing can see through
 it. Kernel-variant (ISA) selection also lives here; ``IPEX_TRAIN_KERNEL=auto|avx512|avx2|scalar`` picks one at
-import time.
+import time. :func:`check_step_args` checks a fused step's arguments in Python before any kernel runs.
 """
 from __future__ import annotations
 

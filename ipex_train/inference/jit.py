@@ -78,15 +78,13 @@ def onednn_fusion_enabled():
 
 def enable_torchscript_fusion():
     """What optimize() does for an inference model: turn torch's global switch on when ipex_train's setting is on
-    and the switch is off, logged at INFO. Returns whether torch's switch is on afterwards."""
-    if not onednn_fusion_enabled():
-        return torch.jit.onednn_fusion_enabled()
-    if not torch.jit.onednn_fusion_enabled():
+    and the switch is off, logged at INFO."""
+    if onednn_fusion_enabled() and not torch.jit.onednn_fusion_enabled():
         torch.jit.enable_onednn_fusion(True)
         _log.info("ipex_train.optimize: turned torch.jit.enable_onednn_fusion on (process-wide), so models traced "
                   "and frozen with torch.jit fuse conv/linear and their post-ops into oneDNN Graph groups; "
-                  "ipex_train.enable_onednn_fusion(False) or %s=0 turns it off", FUSION_ENV)
-    return True
+                  "ipex_train.enable_onednn_fusion(False) turns it off (%s=0 keeps optimize() from turning it on)",
+                  FUSION_ENV)
 
 
 @contextlib.contextmanager
