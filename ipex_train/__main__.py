@@ -6,6 +6,12 @@ import json
 import sys
 
 
+def _sycl_device_line(d: dict) -> str:
+    usm = [kind for kind in ("shared", "device", "host") if d[f"usm_{kind}"]]
+    return (f"{d['filter_string']}  {d['name']} ({d['device_type']}, {d['backend']}; USM: {', '.join(usm) or 'none'})"
+            f"{'  <- default' if d['default'] else ''}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m ipex_train``."""
     parser = argparse.ArgumentParser(prog="ipex_train")
@@ -24,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in data.items():
             if key == "isa":
                 value = " ".join(f"{k}{'' if v else '(no)'}" for k, v in value.items())
+            if key == "sycl_devices":
+                lines = [_sycl_device_line(d) for d in value] or ["(none)"]
+                value = ("\n" + " " * 28).join(lines)
             print(f"{key:>26}: {value}")
     return 0
 

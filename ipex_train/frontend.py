@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from . import _channels_last
+from . import _channels_last, _summary
 from ._master_weights import LOW_PRECISION, MasterWeights, cast_inputs, convertible_parameters, set_memory_format
 from .config import OptimizeConfig
 from .optim._wrapper import TrainingOptimizer, fused_kind, training_optimizer, user_class
@@ -199,6 +199,10 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through sycl), instead of
             passing them one by one; a keyword argument given next to it must agree with it.
 
+    Each call logs one line at INFO on the "ipex_train" logger saying what it did (ipex_train.summary(model,
+    optimizer) returns it as data). For inference it also turns torch's TorchScript oneDNN Graph fusion switch on,
+    so the user's torch.jit.trace + torch.jit.freeze fuse (logged; ipex_train.enable_onednn_fusion(False) opts out).
+
     Raises TypeError/ValueError for bad arguments, and RuntimeError when SYCL is asked for but unavailable, before
     anything is modified.
     """
@@ -223,6 +227,9 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
     backend = _step_backend(config.sycl, training=optimizer is not None)
 
     if optimizer is None:
+        from .inference import jit
+
+        jit.onednn_fusion_enabled()  # raises for a bad IPEX_TRAIN_ONEDNN_FUSION before anything changes
         if not inplace:
             model, _ = _copy_model(model)
         _inference_passes(model, flags, sample_input)
@@ -234,6 +241,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
                 m.register_forward_pre_hook(cast_inputs)
         if dtype == torch.bfloat16:
             _attach_compute_policy(model, bf16_compute)
+        jit.enable_torchscript_fusion()
+        _summary.record(model, None, dtype)
         return model
 
     already = isinstance(optimizer, TrainingOptimizer)
@@ -267,4 +276,6 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
     if backend is not None and not fuse:
         _log.info("ipex_train.optimize(sycl=True): without a fused step the optimizer steps on the CPU; the "
                   "parameters still live in USM shared memory")
-    return model, training_optimizer(optimizer, masters, fuse, param_map, backend)
+    optimizer = training_optimizer(optimizer, masters, fuse, param_map, backend)
+    _summary.record(model, optimizer, dtype)
+    return model, optimizer

@@ -5,19 +5,27 @@ their eltwise/binary post-ops, BN already folded by freezing). It acts on the pr
 scripted module records shapes, the next one optimises the graph, and only then are groups formed, each guarded
 by a prim::oneDNNFusionGuard on the exact input shapes/strides it was compiled for.
 
-Fusion switch. torch's switch (torch.jit.enable_onednn_fusion) is global and off by default. ipex_train keeps its
-own setting, on by default, for its export path: export() and load() turn torch's switch on for their own trace/
-warm-up calls and restore the previous value afterwards, so no global state is left changed.
-enable_onednn_fusion(flag) sets ipex_train's setting and also torch's global switch: that is the one call that
-changes global state, and the one needed when scripted modules must fuse beyond their warm-up (new shapes).
+Fusion switch. torch's switch (torch.jit.enable_onednn_fusion) is global and off by default; TorchScript's
+profiling executor consults it when a scripted module is called (its groups are formed on the second call at a
+shape). ipex_train keeps its own setting, on by default (IPEX's "graph optimizations are enabled by default"):
+enable_onednn_fusion(flag) sets it and torch's switch at once; IPEX_TRAIN_ONEDNN_FUSION=0 turns the default off
+without code changes (1 or unset: on). What reads it:
+* optimize(model.eval(), ...) (inference) calls enable_torchscript_fusion(): when the setting is on and torch's
+  switch is off, it turns torch's switch on and logs that at INFO on the "ipex_train" logger, so the user's own
+  torch.jit.trace + torch.jit.freeze fuse as in IPEX's graph-optimization flow. It stays on for the process
+  (modules traced later must still fuse when called); enable_onednn_fusion(False) turns it back off. optimize() for
+  training never touches it. With the setting off, optimize() leaves torch's switch as it is.
+* export() and load() turn torch's switch to the setting for their own trace/warm-up calls and restore the value
+  they found afterwards.
 
 Dynamic shapes. A call whose input shape (or strides) differs from the warm-up fails the group guards and runs
 each group's fallback graph; outputs stay correct (tested). What the fallback costs depends on torch's global
 switch at the time of the call (checked with ONEDNN_VERBOSE):
-* off (the default after export): the fallback runs the plain TorchScript ops, unfused, on every call at the new
-  shape; no compile cost, no fusion gain;
-* on (enable_onednn_fusion(True)): the fallback re-specialises: it is profiled on the first call at the new
-  shape; on the second its oneDNN partitions are compiled and run fused, and it stays fused afterwards.
+* off (torch's default; export() restores the value it found): the fallback runs the plain TorchScript ops,
+  unfused, on every call at the new shape; no compile cost, no fusion gain;
+* on (enable_onednn_fusion(True), or after optimize() of an inference model): the fallback re-specialises: it is
+  profiled on the first call at the new shape; on the second its oneDNN partitions are compiled and run fused, and
+  it stays fused afterwards.
 Measured by ``python -m benchmarks.bench_inference --quick``, two runs (2026-11-22, torch 2.14.1, 2 AVX2 cores
 shared with other jobs, so +-50%): ResNet-50 exported at batch 1 (steady 0.7-1.2 s/call), then called at batch 2
 (eager 3.0-4.3 s): switch off: first four calls 1.0-2.9 s each, steady 1.8-1.9 s; switch on: first call 1.5-3.7 s,
@@ -34,35 +42,54 @@ process), whose CPU backend fuses conv/linear post-ops through oneDNN itself; th
 this package stay as they are because they work on eager modules.
 """
 import contextlib
+import logging
 import warnings
 
 import torch
 from torch import nn
 
-# ipex_train's own fusion setting for its export path; torch's global switch is only touched by
-# enable_onednn_fusion() or, temporarily, inside export()/load().
-_export_fusion = True
+from .. import _options
+
+_log = logging.getLogger("ipex_train")
+
+FUSION_ENV = "IPEX_TRAIN_ONEDNN_FUSION"
+_choice = None  # set by enable_onednn_fusion(); None: FUSION_ENV, else on
 
 
 def enable_onednn_fusion(enabled):
-    """Turn oneDNN Graph fusion on or off: ipex_train's export path and torch's global TorchScript switch."""
-    global _export_fusion
+    """Turn oneDNN Graph fusion of TorchScript modules on or off: ipex_train's setting (read by optimize() for
+    inference, export() and load()) and torch's global switch ``torch.jit.enable_onednn_fusion``, at once."""
+    global _choice
     if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    _export_fusion = enabled
+        raise _options.OptionTypeError(f"enable_onednn_fusion: enabled must be a bool, got {type(enabled).__name__}")
+    _choice = enabled
     torch.jit.enable_onednn_fusion(enabled)
 
 
 def onednn_fusion_enabled():
-    """Whether ipex_train's export path fuses with oneDNN Graph (True unless enable_onednn_fusion(False))."""
-    return _export_fusion
+    """ipex_train's fusion setting: the last enable_onednn_fusion() call, else IPEX_TRAIN_ONEDNN_FUSION (a switch:
+    0/1, true/false, ...), else True. Raises ValueError for another value of the variable."""
+    if _choice is not None:
+        return _choice
+    return _options.env_bool(FUSION_ENV) is not False
+
+
+def enable_torchscript_fusion():
+    """What optimize() does for an inference model: turn torch's global switch on when ipex_train's setting is on
+    and the switch is off, logged at INFO."""
+    if onednn_fusion_enabled() and not torch.jit.onednn_fusion_enabled():
+        torch.jit.enable_onednn_fusion(True)
+        _log.info("ipex_train.optimize: turned torch.jit.enable_onednn_fusion on (process-wide), so models traced "
+                  "and frozen with torch.jit fuse conv/linear and their post-ops into oneDNN Graph groups; "
+                  "ipex_train.enable_onednn_fusion(False) turns it off (%s=0 keeps optimize() from turning it on)",
+                  FUSION_ENV)
 
 
 @contextlib.contextmanager
 def _fusion_scope():
     """torch's switch set to ipex_train's setting, TorchScript deprecation warnings silenced; both restored."""
     before = torch.jit.onednn_fusion_enabled()
-    torch.jit.enable_onednn_fusion(_export_fusion)
+    torch.jit.enable_onednn_fusion(onednn_fusion_enabled())
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated")

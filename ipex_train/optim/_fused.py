@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .._ops import ops, optimizer_names
+from ._checks import check_step_args
 from . import _registry
 from ._registry import FusedOptimizer
 
@@ -121,5 +122,7 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
         for idx in (plain, rest):
             fused_step(kind, group, state, [params[i] for i in idx], [aux[i] for i in idx], [grads[i] for i in idx])
         return
-    lists = kernel_lists(entry, entry_lists(entry, group, state, params))
-    getattr(ops, f"{kind}_step")(params, aux, grads, *lists, *entry.kernel_args(group))
+    found = entry_lists(entry, group, state, params)
+    check_step_args(entry.op_name, params, aux, grads, {s.arg: found[s.key] for s in entry.state if found[s.key]},
+                    found.get("step"))
+    getattr(ops, f"{kind}_step")(params, aux, grads, *kernel_lists(entry, found), *entry.kernel_args(group))

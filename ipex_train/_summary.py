@@ -1,0 +1,187 @@
+"""What optimize() did to a model (and optimizer), read back from them: :func:`summary` and the INFO line.
+
+Everything is computed by inspecting the returned model and optimizer (parameter dtypes, the modules that register
+each parameter, the attached compute policy, the optimizer's fused kind), so the summary stays true whatever the
+conversion rules are. The only thing recorded at optimize() time is the dtype asked for (an attribute of the
+returned model), which the model cannot show when nothing could be converted.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from ._master_weights import CONVERTIBLE, LOW_PRECISION, owners
+
+_log = logging.getLogger("ipex_train")
+
+# The dtype optimize() was asked for, kept on the returned model (copied with it, ignored by state_dict and tracing).
+_ATTR = "_ipex_train_dtype"
+
+NOT_REQUESTED = "no low-precision dtype requested"
+NORM = "normalisation layer"
+NOT_MATMUL = "not a matmul-class module"
+TIED = "tied with an fp32 module"
+IN_MHA = "inside nn.MultiheadAttention"
+SIBLING = "its module keeps another parameter fp32"
+FP64 = "float64, left as is"
+
+
+@dataclass(frozen=True)
+class KeptFp32:
+    """One reason why parameters stayed fp32 (or fp64): how many tensors and elements, and the module classes
+    that register them."""
+
+    reason: str
+    tensors: int
+    elements: int
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OptimizeSummary:
+    """What optimize() did, as data. ``str()`` gives the one line optimize() logs at INFO.
+
+    mode: "training" or "inference". dtype: the low-precision dtype asked for ("bfloat16"/"float16") or None.
+    low_precision_tensors / low_precision_elements: parameters stored in bf16/fp16. kept: the other floating-point
+    parameters grouped by reason. compute_policy: "native"/"emulated" when the bf16 compute policy is attached,
+    else None. optimizer: the user's optimizer class name (training). fused_step: the fused kernel kind ("adam",
+    "sgd", ...) the optimizer steps with, or None (its own step). sycl: the fused step runs on a SYCL queue.
+    onednn_fusion: inference only, whether torch's TorchScript oneDNN Graph fusion switch is on.
+    """
+
+    mode: str
+    dtype: str | None
+    low_precision_tensors: int
+    low_precision_elements: int
+    kept: tuple[KeptFp32, ...]
+    compute_policy: str | None
+    optimizer: str | None
+    fused_step: str | None
+    sycl: bool
+    onednn_fusion: bool | None
+
+    @property
+    def kept_tensors(self) -> int:
+        """Parameters not in low precision."""
+        return sum(k.tensors for k in self.kept)
+
+    @property
+    def kept_elements(self) -> int:
+        """Elements of the parameters not in low precision."""
+        return sum(k.elements for k in self.kept)
+
+    def to_dict(self) -> dict:
+        """The summary as plain dicts, lists and scalars (JSON-ready)."""
+        data = asdict(self)
+        data["kept"] = [dict(k, modules=list(k["modules"])) for k in data["kept"]]
+        return data
+
+    def __str__(self) -> str:
+        total = self.low_precision_elements + self.kept_elements
+        share = (lambda n: f"{100 * n / total:.1f}%") if total else (lambda n: "0%")
+        parts = [f"ipex_train.optimize ({self.mode}, dtype={self.dtype or 'float32'}): "
+                 f"{self.low_precision_tensors} params {self.dtype or 'low precision'} "
+                 f"({_count(self.low_precision_elements)} elements, {share(self.low_precision_elements)}), "
+                 f"{self.kept_tensors} fp32 ({_count(self.kept_elements)}, {share(self.kept_elements)})"]
+        if self.kept:
+            parts[0] += ": " + ", ".join(f"{k.tensors} {k.reason} [{', '.join(k.modules)}]" for k in self.kept)
+        parts.append(f"compute policy {self.compute_policy or 'none'}")
+        if self.mode == "training":
+            step = f"fused {self.fused_step} step" if self.fused_step else "own (unfused) step"
+            parts.append(f"{self.optimizer}: {step}{' on SYCL' if self.sycl else ''}")
+        else:
+            parts.append(f"TorchScript oneDNN fusion {'on' if self.onednn_fusion else 'off'}")
+        return "; ".join(parts)
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
+
+
+def _is_norm(m: nn.Module) -> bool:
+    # torch's norms, and the many model libraries' own (LlamaRMSNorm, T5LayerNorm, ...) by name.
+    norms = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
+    return isinstance(m, norms) or "norm" in type(m).__name__.lower()
+
+
+def _reason(p: torch.Tensor, mods: list[nn.Module], in_mha: set[int], low: torch.dtype | None) -> str:
+    if p.dtype == torch.float64:
+        return FP64
+    if low is None:
+        return NOT_REQUESTED
+    if any(_is_norm(m) for m in mods):
+        return NORM
+    matmul = [isinstance(m, CONVERTIBLE) for m in mods]
+    if not any(matmul):
+        return NOT_MATMUL
+    if not all(matmul):
+        return TIED
+    if any(id(m) in in_mha for m in mods):
+        return IN_MHA
+    return SIBLING
+
+
+def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> OptimizeSummary:
+    """What optimize() did to ``model`` (and ``optimizer``, for training): pass what optimize() returned.
+
+    Works on any model; for one optimize() did not return, it describes the model as it is.
+    """
+    from . import compute_policy
+    from .frontend import _ATTR as MASTERS_ATTR  # here: frontend imports this module
+    from .optim._wrapper import TrainingOptimizer, user_class
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"summary(): model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"summary(): optimizer must be a torch.optim.Optimizer or None, got "
+                        f"{type(optimizer).__name__}")
+    masters = getattr(model, MASTERS_ATTR, None)
+    found = owners(model)
+    low_dtypes = {p.dtype for p in found if p.dtype in LOW_PRECISION}
+    if hasattr(model, _ATTR):
+        low = getattr(model, _ATTR)
+    elif masters is not None:
+        low = masters.dtype
+    else:
+        low = next(iter(low_dtypes)) if len(low_dtypes) == 1 else None
+    in_mha = {id(m) for mha in model.modules() if isinstance(mha, nn.MultiheadAttention) for m in mha.modules()}
+    low_tensors = low_elements = 0
+    groups: dict[str, list] = {}
+    for p, mods in found.items():
+        if p.dtype in LOW_PRECISION:
+            low_tensors += 1
+            low_elements += p.numel()
+        elif p.is_floating_point():
+            g = groups.setdefault(_reason(p, mods, in_mha, low), [0, 0, set()])
+            g[0] += 1
+            g[1] += p.numel()
+            g[2].update(type(m).__name__ for m in mods)
+    kept = tuple(KeptFp32(r, n, e, tuple(sorted(mods))) for r, (n, e, mods) in
+                 sorted(groups.items(), key=lambda item: -item[1][1]))
+    handle = compute_policy._attached.get(model)
+    training = optimizer is not None or masters is not None
+    fused, sycl = None, False
+    if isinstance(optimizer, TrainingOptimizer):
+        fused = optimizer._fused_kind if optimizer._ipex_fuse else None
+        sycl = optimizer._ipex_sycl is not None
+    return OptimizeSummary(
+        mode="training" if training else "inference",
+        dtype=str(low).replace("torch.", "") if low is not None else None,
+        low_precision_tensors=low_tensors, low_precision_elements=low_elements, kept=kept,
+        compute_policy=handle.policy if handle is not None else None,
+        optimizer=user_class(optimizer).__name__ if optimizer is not None else None,
+        fused_step=fused, sycl=sycl,
+        onednn_fusion=None if training else torch.jit.onednn_fusion_enabled())
+
+
+def record(model: nn.Module, optimizer: torch.optim.Optimizer | None, dtype: torch.dtype | None) -> None:
+    """optimize()'s last step: remember the dtype asked for and log the summary line at INFO."""
+    setattr(model, _ATTR, dtype if dtype in LOW_PRECISION else None)
+    if _log.isEnabledFor(logging.INFO):
+        _log.info("%s", summary(model, optimizer))
