@@ -30,7 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from . import _channels_last
-from ._master_weights import LOW_PRECISION, MasterWeights, cast_inputs, convertible_parameters, set_memory_format
+from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_parameters, register_input_casts,
+                              set_memory_format)
 from .optim._wrapper import SyclStep, TrainingOptimizer, fused_kind, training_optimizer, user_class
 
 _log = logging.getLogger("ipex_train")
@@ -228,11 +229,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             model, _ = _copy_model(model)
         _inference_passes(model, flags, sample_input)
         _convert(model, dtype, flags, keep_fp32_truth=False)
-        for m in model.modules():
-            params = [p for p in m._parameters.values() if p is not None]
-            if params and all(p.dtype in LOW_PRECISION for p in params) and \
-                    cast_inputs not in m._forward_pre_hooks.values():
-                m.register_forward_pre_hook(cast_inputs)
+        register_input_casts(model)
         if dtype == torch.bfloat16:
             _attach_compute_policy(model, bf16_compute)
         return model
@@ -255,6 +252,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         for p in model.parameters():
             masters.adopt(p)
         masters.register_hooks(model)
+        register_input_casts(model)
         setattr(model, _ATTR, masters)
         if dtype == torch.bfloat16:
             _attach_compute_policy(model, bf16_compute)
