@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -254,6 +255,10 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         masters.register_hooks(model)
         register_input_casts(model)
         setattr(model, _ATTR, masters)
+        if "transformers" in sys.modules:  # only then can the model be one of its PreTrainedModels
+            from .integrations.transformers import keep_fp32_checkpoints
+
+            keep_fp32_checkpoints(model)
         if dtype == torch.bfloat16:
             _attach_compute_policy(model, bf16_compute)
     if queue is not None:
