@@ -221,3 +221,14 @@ def test_gpt2_trains_in_bf16_like_fp32():
     assert {n for n, p in model.named_parameters() if p.dtype != BF16} == {
         n for n, _ in model.named_parameters() if ".ln_" in n}
     assert_tracks_fp32(losses, ref, model)
+
+
+def test_coverage_audit_counts_bf16_matmul_flops():
+    from benchmarks.coverage import audit
+
+    encoder = audit("encoder", Encoder, lambda: (encoder_data()[0],), lambda out: out.flatten(0, 1))
+    assert encoder["trains"] and encoder["matmul_flops_bf16_share"] == 1.0
+    assert set(encoder["left_fp32"]) == {"LayerNorm.weight", "LayerNorm.bias"}
+    bare = audit("bare", bare_model, lambda: (torch.randn(4, 6),), lambda out: out)
+    assert 0.0 < bare["matmul_flops_bf16_share"] < 1.0  # BareLayer's own matmul runs in fp32
+    assert bare["left_fp32"]["BareLayer.weight"]["reason"].startswith("bare parameter")
