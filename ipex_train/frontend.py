@@ -4,11 +4,13 @@ Order of passes (training): copy (inplace=False) -> low-precision conversion wit
 model hooks -> bf16 compute policy -> optimizer. Nothing is modified before every argument has been checked, so an
 error leaves the user's model and optimizer as they were.
 
-Mixed dtypes in one model: Linear/Conv*/ConvTranspose*/Embedding*/RNN weights go low precision, normalisation
-layers (and every other parameter) stay fp32. Each converted module casts its floating-point inputs to its weight
-dtype (forward pre-hook), so fp32 batches and fp32 normalisation outputs feed it; torch's CPU LayerNorm/
-BatchNorm/GroupNorm take bf16 inputs with fp32 weights and return bf16. The model output is therefore bf16 when
-its last layer is converted; ``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward works as well.
+Mixed dtypes in one model: the weights of matmul modules (``_master_weights.MATMUL_MODULES``: Linear, Conv*,
+Embedding*, RNNs, MultiheadAttention, transformers' Conv1D, ...) go low precision, normalisation layers (and every
+other parameter) stay fp32. Each converted module casts its floating-point inputs to its weight dtype (forward
+pre-hook), so fp32 batches and fp32 normalisation outputs feed it; a module keeping an fp32 weight matrix casts
+bf16 inputs up to fp32; torch's CPU LayerNorm/BatchNorm/GroupNorm take bf16 inputs with fp32 weights and return
+bf16. The model output is therefore bf16 when its last layer is converted; ``torch.autocast("cpu",
+dtype=torch.bfloat16)`` around the forward works as well.
 With dtype=bfloat16 the bf16 compute policy (:mod:`ipex_train.compute_policy`) is attached to the model: on
 CPUs without bf16 units bf16 matmuls/convolutions are computed in fp32 from the bf16 operands.
 
@@ -185,9 +187,9 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             ipex_train.optim.Lamb/Lars (and subclasses keeping their step) get a fused step, one C++ call per
             param group; other optimizers run their own step on fp32 values.
         dtype: None or torch.float32 (fp32 training), torch.bfloat16 or torch.float16: the weights of Linear,
-            Conv*, ConvTranspose*, Embedding, EmbeddingBag and RNN/LSTM/GRU go to that dtype, everything else stays
-            fp32; the exact fp32 value is kept (see split_master_weight_for_bf16), and model.state_dict() and
-            optimizer state stay fp32.
+            Conv*, ConvTranspose*, Embedding, EmbeddingBag, RNN/LSTM/GRU, MultiheadAttention and transformers'
+            Conv1D go to that dtype, everything else stays fp32; the exact fp32 value is kept (see
+            split_master_weight_for_bf16), and model.state_dict() and optimizer state stay fp32.
         level: "O1" turns every optimization on, "O0" only the dtype handling; explicit flags win.
         inplace: modify ``model`` and ``optimizer`` (the returned optimizer is a new object sharing the param
             group dicts and state of ``optimizer``; use the returned one). With False (default) ``model`` is deep
