@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ipex_train
+from ipex_train import compute_policy
 
 BF16 = torch.bfloat16
 
@@ -221,6 +222,14 @@ def test_gpt2_trains_in_bf16_like_fp32():
     assert {n for n, p in model.named_parameters() if p.dtype != BF16} == {
         n for n, _ in model.named_parameters() if ".ln_" in n}
     assert_tracks_fp32(losses, ref, model)
+
+    # Conv1D's bf16 addmm, forward and backward, is computed in fp32 by the emulated policy: no bf16 matmul kernel.
+    from benchmarks.coverage import MatmulFlops
+
+    compute_policy.attach(model, "emulated")
+    with MatmulFlops() as counted:
+        model(ids).logits.float().sum().backward()
+    assert counted.flops["other"] > 0 and counted.flops["bf16"] == 0
 
 
 def test_coverage_audit_counts_bf16_matmul_flops():

@@ -67,6 +67,10 @@ def test_save_pretrained_reloads_exact_fp32(tmp_path):
     copied = copy.deepcopy(model)
     copied.save_pretrained(tmp_path / "copy")
     assert_reloads_exactly(tmp_path / "copy", model)
+    torch.save(model, tmp_path / "model.pt")
+    unpickled = torch.load(tmp_path / "model.pt", weights_only=False)
+    unpickled.save_pretrained(tmp_path / "unpickled")
+    assert_reloads_exactly(tmp_path / "unpickled", model)
 
 
 def test_trainer_checkpoints_reload_exact_and_resume(tmp_path):
