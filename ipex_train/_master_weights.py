@@ -158,10 +158,11 @@ def register_input_casts(model: nn.Module) -> None:
     """Make every module of ``model`` that owns parameters take inputs of any floating dtype.
 
     * Parameters all bf16/fp16 (converted modules, or a low-precision model): inputs cast to that dtype.
-    * An fp32 parameter of two or more dimensions (a bare weight matrix a matmul may use): low-precision inputs
-      cast up to fp32, and the module runs as the user wrote it, in fp32.
-    * Otherwise (normalisation layers, layer scales: 1-D fp32 vectors) nothing: they act elementwise, where torch
-      takes mixed dtypes (its CPU norms take bf16 inputs with fp32 weights and return bf16).
+    * An fp32 matrix parameter (two or more dimensions above 1: a bare weight a matmul may use): low-precision
+      inputs cast up to fp32, and the module runs as the user wrote it, in fp32.
+    * Otherwise (normalisation layers, layer scales, class tokens: fp32 vectors, whatever their view) nothing:
+      they act elementwise, where torch takes mixed dtypes (its CPU norms take bf16 inputs with fp32 weights and
+      return bf16).
 
     Nothing when no parameter of ``model`` is low precision. Idempotent: a module already holding one of these
     hooks is left alone.
@@ -174,7 +175,7 @@ def register_input_casts(model: nn.Module) -> None:
             continue
         if all(p.dtype == params[0].dtype for p in params) and params[0].dtype in LOW_PRECISION:
             m.register_forward_pre_hook(cast_inputs, with_kwargs=True)
-        elif any(p.dtype == torch.float32 and p.dim() >= 2 for p in params):
+        elif any(p.dtype == torch.float32 and sum(d > 1 for d in p.shape) >= 2 for p in params):
             m.register_forward_pre_hook(upcast_inputs, with_kwargs=True)
 
 

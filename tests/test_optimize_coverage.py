@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 import ipex_train
 from ipex_train import compute_policy
+from ipex_train._master_weights import upcast_inputs
 
 BF16 = torch.bfloat16
 
@@ -164,6 +165,8 @@ def test_bare_fp32_weights_take_bf16_activations(make):
     losses, ref, model = train_pair(make, (x,), y)
     bare = next(m for m in model.modules() if isinstance(m, BareLayer))
     assert bare.weight.dtype == torch.float32 and bare.weight.grad.dtype == torch.float32
+    # Only the module with the weight matrix casts up; the LayerNorm (fp32 vectors) takes bf16 as it is.
+    assert [m for m in model.modules() if upcast_inputs in m._forward_pre_hooks.values()] == [bare]
     assert model[0].weight.dtype == BF16
     assert_tracks_fp32(losses, ref, model)
 
