@@ -4,11 +4,13 @@ Order of passes (training): copy (inplace=False) -> low-precision conversion wit
 model hooks -> bf16 compute policy -> optimizer. Nothing is modified before every argument has been checked, so an
 error leaves the user's model and optimizer as they were.
 
-Mixed dtypes in one model: Linear/Conv*/ConvTranspose*/Embedding*/RNN weights go low precision, normalisation
-layers (and every other parameter) stay fp32. Each converted module casts its floating-point inputs to its weight
-dtype (forward pre-hook), so fp32 batches and fp32 normalisation outputs feed it; torch's CPU LayerNorm/
-BatchNorm/GroupNorm take bf16 inputs with fp32 weights and return bf16. The model output is therefore bf16 when
-its last layer is converted; ``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward works as well.
+Mixed dtypes in one model: the weights of matmul modules (``_master_weights.MATMUL_MODULES``: Linear, Conv*,
+Embedding*, RNNs, MultiheadAttention, transformers' Conv1D, ...) go low precision, normalisation layers (and every
+other parameter) stay fp32. Each converted module casts its floating-point inputs to its weight dtype (forward
+pre-hook), so fp32 batches and fp32 normalisation outputs feed it; a module keeping an fp32 weight matrix casts
+bf16 inputs up to fp32; torch's CPU LayerNorm/BatchNorm/GroupNorm take bf16 inputs with fp32 weights and return
+bf16. The model output is therefore bf16 when its last layer is converted; ``torch.autocast("cpu",
+dtype=torch.bfloat16)`` around the forward works as well.
 With dtype=bfloat16 the bf16 compute policy (:mod:`ipex_train.compute_policy`) is attached to the model: on
 CPUs without bf16 units bf16 matmuls/convolutions are computed in fp32 from the bf16 operands.
 
@@ -24,13 +26,15 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from . import _channels_last, _summary
-from ._master_weights import LOW_PRECISION, MasterWeights, cast_inputs, convertible_parameters, set_memory_format
+from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_parameters, register_input_casts,
+                              set_memory_format)
 from .config import OptimizeConfig
 from .optim._wrapper import TrainingOptimizer, fused_kind, training_optimizer, user_class
 
@@ -171,9 +175,9 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             ipex_train.optim.Lamb/Lars (and subclasses keeping their step) get a fused step, one C++ call per
             param group; other optimizers run their own step on fp32 values.
         dtype: None or torch.float32 (fp32 training), torch.bfloat16 or torch.float16: the weights of Linear,
-            Conv*, ConvTranspose*, Embedding, EmbeddingBag and RNN/LSTM/GRU go to that dtype, everything else stays
-            fp32; the exact fp32 value is kept (see split_master_weight_for_bf16), and model.state_dict() and
-            optimizer state stay fp32.
+            Conv*, ConvTranspose*, Embedding, EmbeddingBag, RNN/LSTM/GRU, MultiheadAttention and transformers'
+            Conv1D go to that dtype, everything else stays fp32; the exact fp32 value is kept (see
+            split_master_weight_for_bf16), and model.state_dict() and optimizer state stay fp32.
         level: "O1" turns every optimization on, "O0" only the dtype handling; explicit flags win.
         inplace: modify ``model`` and ``optimizer`` (the returned optimizer is a new object sharing the param
             group dicts and state of ``optimizer``; use the returned one). With False (default) ``model`` is deep
@@ -234,11 +238,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             model, _ = _copy_model(model)
         _inference_passes(model, flags, sample_input)
         _convert(model, dtype, flags, keep_fp32_truth=False)
-        for m in model.modules():
-            params = [p for p in m._parameters.values() if p is not None]
-            if params and all(p.dtype in LOW_PRECISION for p in params) and \
-                    cast_inputs not in m._forward_pre_hooks.values():
-                m.register_forward_pre_hook(cast_inputs)
+        register_input_casts(model)
         if dtype == torch.bfloat16:
             _attach_compute_policy(model, bf16_compute)
         jit.enable_torchscript_fusion()
@@ -263,7 +263,12 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         for p in model.parameters():
             masters.adopt(p)
         masters.register_hooks(model)
+        register_input_casts(model)
         setattr(model, _ATTR, masters)
+        if "transformers" in sys.modules:  # only then can the model be one of its PreTrainedModels
+            from .integrations.transformers import keep_fp32_checkpoints
+
+            keep_fp32_checkpoints(model)
         if dtype == torch.bfloat16:
             _attach_compute_policy(model, bf16_compute)
     if backend is not None:

@@ -147,3 +147,31 @@ def test_lamb_traffic_kernel_moves_what_lamb_moves(layout):
     assert torch.equal(g, g_before)
     if layout in ("bf16_master", "fp16_master"):
         assert torch.equal(p.view(torch.int16), (a.view(torch.int32) >> 16).to(torch.int16))
+
+
+def test_hf_trainer_recipe(tmp_path):
+    pytest.importorskip("transformers")
+    metrics = tmp_path / "metrics.json"
+    # GPT-2 only: BERT's Trainer checkpoints are tested in test_transformers.py.
+    _run(["-m", "recipes.hf_trainer", "--models", "gpt2", "--steps", str(STEPS), "--batch-size", "4", "--width", "16",
+          "--no-progress", "--no-compare-fp32", "--out", str(tmp_path), "--json", str(metrics)])
+    data = json.loads(metrics.read_text())
+    assert data["checks"] == {"gpt2": {"resume_exact": True, "reload_exact": True}}
+    [run] = data["runs"]
+    assert run["name"] == "gpt2 ipex_train bfloat16"
+    _check_losses(run["losses"])
+    assert 0.0 <= run["accuracy"] <= 1.0
+    _check_png(tmp_path / "hf_trainer.png")
+
+
+def test_timm_recipe(tmp_path):
+    pytest.importorskip("timm")
+    metrics = tmp_path / "metrics.json"
+    _run(["-m", "recipes.timm_train", "--model", "test_vit", "--optimizer", "lamb", "--steps", str(STEPS),
+          "--batch-size", "4", "--no-progress", "--no-compare-fp32", "--out", str(tmp_path), "--json", str(metrics)])
+    data = json.loads(metrics.read_text())
+    assert data["resume_exact"] and data["reload_exact"]
+    [run] = data["runs"]
+    assert run["name"] == "ipex_train bfloat16"
+    _check_losses(run["losses"])
+    _check_png(tmp_path / "timm_train.png")

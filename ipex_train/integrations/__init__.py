@@ -4,4 +4,6 @@ Each lives in its own module and imports its framework only when that module is 
 ipex_train`` never needs them:
 
 * :mod:`ipex_train.integrations.accelerate`: HuggingFace Accelerate (``IpexTrainPlugin``).
+* :mod:`ipex_train.integrations.transformers`: HuggingFace Transformers checkpoints keep the fp32 dtype (applied
+  by optimize() itself).
 """
