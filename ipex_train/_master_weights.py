@@ -46,7 +46,7 @@ def is_matmul_module(module: nn.Module) -> bool:
         f"{c.__module__}.{c.__qualname__}" in MATMUL_MODULE_NAMES for c in type(module).__mro__)
 
 
-def _units(model: nn.Module) -> dict[int, nn.Module]:
+def matmul_units(model: nn.Module) -> dict[int, nn.Module]:
     """id of every module lying under a matmul module (itself included) -> the outermost such module: the unit
     whose parameters convert together."""
     roots: dict[int, nn.Module] = {}
@@ -77,7 +77,7 @@ def convertible_parameters(model: nn.Module) -> list[Tensor]:
     """The fp32 parameters of ``model`` that go low precision: every module registering one lies in a matmul
     module's unit (see MATMUL_MODULES), and each unit converts all of its fp32 parameters or none (a Linear with
     an fp32 weight and a bf16 bias could not run)."""
-    units = _units(model)
+    units = matmul_units(model)
     found = owners(model)
     chosen = {p for p, mods in found.items() if p.dtype == torch.float32 and all(id(m) in units for m in mods)}
     changed = True

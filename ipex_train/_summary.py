@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from ._master_weights import CONVERTIBLE, LOW_PRECISION, owners
+from ._master_weights import LOW_PRECISION, matmul_units, owners
 
 _log = logging.getLogger("ipex_train")
 
@@ -24,7 +24,6 @@ NOT_REQUESTED = "no low-precision dtype requested"
 NORM = "normalisation layer"
 NOT_MATMUL = "not a matmul-class module"
 TIED = "tied with an fp32 module"
-IN_MHA = "inside nn.MultiheadAttention"
 SIBLING = "its module keeps another parameter fp32"
 FP64 = "float64, left as is"
 
@@ -110,20 +109,18 @@ def _is_norm(m: nn.Module) -> bool:
     return isinstance(m, norms) or "norm" in type(m).__name__.lower()
 
 
-def _reason(p: torch.Tensor, mods: list[nn.Module], in_mha: set[int], low: torch.dtype | None) -> str:
+def _reason(p: torch.Tensor, mods: list[nn.Module], units: dict[int, nn.Module], low: torch.dtype | None) -> str:
     if p.dtype == torch.float64:
         return FP64
     if low is None:
         return NOT_REQUESTED
     if any(_is_norm(m) for m in mods):
         return NORM
-    matmul = [isinstance(m, CONVERTIBLE) for m in mods]
+    matmul = [id(m) in units for m in mods]
     if not any(matmul):
         return NOT_MATMUL
     if not all(matmul):
         return TIED
-    if any(id(m) in in_mha for m in mods):
-        return IN_MHA
     return SIBLING
 
 
@@ -150,7 +147,7 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
         low = masters.dtype
     else:
         low = next(iter(low_dtypes)) if len(low_dtypes) == 1 else None
-    in_mha = {id(m) for mha in model.modules() if isinstance(mha, nn.MultiheadAttention) for m in mha.modules()}
+    units = matmul_units(model)
     low_tensors = low_elements = 0
     groups: dict[str, list] = {}
     for p, mods in found.items():
@@ -158,7 +155,7 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
             low_tensors += 1
             low_elements += p.numel()
         elif p.is_floating_point():
-            g = groups.setdefault(_reason(p, mods, in_mha, low), [0, 0, set()])
+            g = groups.setdefault(_reason(p, mods, units, low), [0, 0, set()])
             g[0] += 1
             g[1] += p.numel()
             g[2].update(type(m).__name__ for m in mods)

@@ -75,7 +75,7 @@ def test_reasons_for_fp32_parameters(caplog):
     n_low, _, fp32 = _dtype_counts(out)
     assert s.low_precision_tensors == n_low and s.kept_tensors == len(fp32)
     # Whatever the conversion rules make of nn.MultiheadAttention, every fp32 parameter has a reason.
-    assert set(by_reason) <= {_summary.NORM, _summary.NOT_MATMUL, _summary.IN_MHA, _summary.SIBLING}
+    assert set(by_reason) <= {_summary.NORM, _summary.NOT_MATMUL, _summary.SIBLING}
     assert _lines(caplog) == [str(s)]
 
     scaled = ipex_train.optimize(_Scaled().eval(), dtype=torch.bfloat16)
