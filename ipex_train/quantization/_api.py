@@ -174,9 +174,13 @@ def convert(prepared, inplace=False) -> QuantizedModel:
         for name, child in list(parent.named_children()):
             if id(child) in layers:
                 setattr(parent, name, layers[id(child)])
+    model = layers.get(id(model), model)  # the model may itself be a single Conv/Linear
     if inplace:
         prepared._converted = True
     return QuantizedModel(model, adds, summary, fp32).eval()
+
+
+_CHANNELS_LAST = {"conv2d": torch.channels_last, "conv3d": torch.channels_last_3d}
 
 
 def _unsupported(m: nn.Module) -> str | None:
@@ -206,7 +210,7 @@ def _int8_layer(op, m: nn.Module, e: dict) -> Int8Layer:
     q.set_weight_bias(_quantize_weight(m.weight, e), None if m.bias is None else m.bias.detach().float())
     q.scale, q.zero_point = float(e["output_scales"][0]), int(e["output_zero_points"][0])
     return Int8Layer(op.name, q, float(e["input_scales"][0]), int(e["input_zero_points"][0]),
-                     e["outputs_quantized"][0], relu, channels_last=op.kind in ("conv2d", "conv3d"))
+                     e["outputs_quantized"][0], relu, _CHANNELS_LAST.get(op.kind))
 
 
 def _quantize_weight(weight: torch.Tensor, e: dict) -> torch.Tensor:

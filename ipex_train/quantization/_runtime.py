@@ -32,18 +32,18 @@ class Int8Layer(nn.Module):
     """A Conv/Linear replaced by torch's quantized module (its relu fused when post_op is "relu")."""
 
     def __init__(self, name: str, qmodule: nn.Module, in_scale: float, in_zero_point: int, out_quantized: bool,
-                 relu: bool, channels_last: bool):
+                 relu: bool, memory_format: torch.memory_format | None):
         super().__init__()
         self.op_name, self.q = name, qmodule
         self.in_scale, self.in_zero_point = in_scale, in_zero_point
-        self.out_quantized, self.relu, self.channels_last = out_quantized, relu, channels_last
+        self.out_quantized, self.relu, self.memory_format = out_quantized, relu, memory_format
 
     def forward(self, x):
         with torch._C.DisableTorchFunction():  # the runtime mode must not dequantize this layer's own int8 calls
             if not x.is_quantized:
-                x = torch.quantize_per_tensor(x, self.in_scale, self.in_zero_point, torch.quint8)
-            if self.channels_last and not x.is_contiguous(memory_format=torch.channels_last):
-                x = x.contiguous(memory_format=torch.channels_last)  # oneDNN's fast int8 layout
+                x = Runtime.quantize(x, self.in_scale, self.in_zero_point)
+            if self.memory_format is not None and not x.is_contiguous(memory_format=self.memory_format):
+                x = x.contiguous(memory_format=self.memory_format)  # channels-last: oneDNN's fast int8 layout
             y = self.q(x)
             if not self.out_quantized:
                 return y.dequantize()
@@ -92,6 +92,7 @@ class Runtime(TorchFunctionMode):
         super().__init__()
         self.adds, self.calls = adds, calls
         self.flow = WeakIdKeyDictionary()  # int8 tensor -> (producer op name, relu already applied)
+        self.last = None  # (fp32 tensor, its version, scale, zero point, int8 tensor) of the last quantization
 
     def __enter__(self):
         self.outer, Runtime.current = Runtime.current, self
@@ -100,6 +101,18 @@ class Runtime(TorchFunctionMode):
     def __exit__(self, *exc):
         Runtime.current = self.outer
         return super().__exit__(*exc)
+
+    @staticmethod
+    def quantize(x, scale: float, zero_point: int):
+        """x quantized to uint8; layers reading one fp32 tensor with the same qparams (Q, K, V) share one pass."""
+        rt = Runtime.current
+        key = (x._version, scale, zero_point)
+        if rt is not None and rt.last is not None and rt.last[0] is x and rt.last[1:4] == key:
+            return rt.last[4]
+        q = torch.quantize_per_tensor(x, scale, zero_point, torch.quint8)
+        if rt is not None:
+            rt.last = (x, *key, q)
+        return q
 
     @staticmethod
     def tag(y, name: str, relu: bool) -> None:
