@@ -150,8 +150,9 @@ def _case(name, make, shape, batch, args):
 
 
 def _new_shape(int8_model, x):
-    """Steady time at x's shape, then the first and steady calls at half the batch (images) or sequence (text)."""
-    other = x[: max(1, x.shape[0] // 2)] if x.dim() == 4 else x[:, : x.shape[1] // 2]
+    """Steady time at x's shape, then the first and steady calls at another batch size (images: half, or 2 from
+    batch 1) or half the sequence length (text)."""
+    other = (torch.cat([x, x])[: max(2, x.shape[0] // 2)] if x.dim() == 4 else x[:, : x.shape[1] // 2])
     with torch.no_grad():
         steady = _time_interleaved({"int8": int8_model}, x, 3, 0)["int8"]["median_s"]
         start = time.perf_counter()

@@ -10,4 +10,14 @@ from ._channels_last import disable_auto_channels_last, enable_auto_channels_las
 from ._info import info
 from .frontend import optimize
 
-__all__ = ["info", "optim", "optimize", "enable_auto_channels_last", "disable_auto_channels_last", "__version__"]
+__all__ = ["info", "optim", "optimize", "enable_auto_channels_last", "disable_auto_channels_last", "quantization",
+           "__version__"]
+
+
+def __getattr__(name):
+    # ipex_train.quantization is imported on first use, so that `import ipex_train` does not load torch.ao.
+    if name == "quantization":
+        import importlib
+
+        return importlib.import_module(".quantization", __name__)
+    raise AttributeError(f"module 'ipex_train' has no attribute {name!r}")
