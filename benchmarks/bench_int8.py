@@ -12,7 +12,8 @@ BERT-style encoder (BertStyleEncoder below: d_model 768, 12 heads, FFN 3072, seq
 * int8_jit: the same traced and frozen (the deploy artefact of seed 000);
 * fx_x86, fx_onednn: torch.ao prepare_fx/convert_fx with that engine's default qconfig mapping, traced and frozen.
 
-Each variant's output cosine similarity to eager fp32 is reported. A dynamic-shape section times the eager int8
+Each model is calibrated once (2 batches of 4); the traced variants are traced at each batch size. Each variant's
+output cosine similarity to eager fp32 is reported; build seconds include calibration. A dynamic-shape section times the eager int8
 model at a new batch size / sequence length: the first call, then the steady state. Targets are printed as
 PASS/FAIL, never asserted: int8 no slower than the best stock FX path on every case, and >= 2.5x fp32_export on
 ResNet-50 batch 16.
@@ -85,8 +86,8 @@ def resnet50():
     return model
 
 
-def _int8(model, x, calib):
-    prepared = quantization.prepare(model, example_inputs=x[:1])
+def _int8(model, example, calib):
+    prepared = quantization.prepare(model, example_inputs=example)
     with torch.no_grad():
         for c in calib:
             prepared(c)
@@ -99,44 +100,56 @@ def _traced(model, x):
         return torch.jit.freeze(torch.jit.trace(model, x, check_trace=False))
 
 
-def _fx(engine):
-    def build(model, x, calib):
-        from torch.ao.quantization import get_default_qconfig_mapping
-        from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+def _fx(model, engine, example, calib):
+    """torch.ao FX int8 with ``engine``'s default qconfig mapping (weights packed for that engine)."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
-        before = torch.backends.quantized.engine
-        torch.backends.quantized.engine = engine
-        try:
-            prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping(engine), example_inputs=(x[:1],))
-            with torch.no_grad():
-                for c in calib:
-                    prepared(c)
-            return _traced(convert_fx(prepared), x)
-        finally:
-            torch.backends.quantized.engine = before
-    return build
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping(engine), example_inputs=(example,))
+        with torch.no_grad():
+            for c in calib:
+                prepared(c)
+        return convert_fx(prepared)
+    finally:
+        torch.backends.quantized.engine = before
 
 
-def _case(name, make, shape, batch, args):
+def _build(make, shape):
+    """The fp32 model and its calibrated int8 models (ipex_train, FX x86, FX onednn), built once per model and
+    traced per batch size in _case; returns (model, {variant: int8 module}, build seconds, skipped)."""
     torch.manual_seed(0)
     model = make()
-    x = torch.randn((batch,) + shape)
-    calib = [torch.randn((4,) + shape) for _ in range(2)]
-    fns, build_s, skipped = {"eager": model}, {}, {}
-    builders = {"fp32_export": lambda m, x, c: _ipex_train(m, x), "int8": _int8,
-                "fx_x86": _fx("x86"), "fx_onednn": _fx("onednn")}
-    for variant, build in builders.items():
+    example, calib = torch.randn((1,) + shape), [torch.randn((4,) + shape) for _ in range(2)]
+    built, build_s, skipped = {}, {}, {}
+    for variant, build in (("int8", lambda: _int8(model, example, calib)),
+                           ("fx_x86", lambda: _fx(model, "x86", example, calib)),
+                           ("fx_onednn", lambda: _fx(model, "onednn", example, calib))):
         start = time.perf_counter()
         try:
-            fns[variant] = build(model, x, calib)
+            built[variant] = build()
         except Exception as e:  # a variant that does not work here is reported, the others still run
             skipped[variant] = f"{type(e).__name__}: {e}"[:200]
             continue
         build_s[variant] = time.perf_counter() - start
-        if variant == "int8":
-            start = time.perf_counter()
-            fns["int8_jit"] = _traced(fns["int8"], x)
-            build_s["int8_jit"] = time.perf_counter() - start
+    return model, built, build_s, skipped
+
+
+def _case(name, model, built, build_s, skipped, shape, batch, args):
+    torch.manual_seed(batch)
+    x = torch.randn((batch,) + shape)
+    fns, build_s = {"eager": model}, dict(build_s)
+    tracers = {"fp32_export": lambda: _ipex_train(model, x), "int8": lambda: built["int8"],
+               "int8_jit": lambda: _traced(built["int8"], x)}
+    tracers.update({v: (lambda v=v: _traced(built[v], x)) for v in ("fx_x86", "fx_onednn") if v in built})
+    for variant, trace in tracers.items():
+        if variant.startswith("int8") and "int8" not in built:
+            continue
+        start = time.perf_counter()
+        fns[variant] = trace()
+        build_s[variant] = build_s.get(variant, 0.0) + time.perf_counter() - start
     with torch.no_grad():
         ref = model(x).flatten()
         cos = {v: F.cosine_similarity(fn(x).flatten(), ref, dim=0).item() for v, fn in fns.items()}
@@ -175,8 +188,9 @@ def run(args):
     print(f"{'model':13s} {'batch':>5s} {'variant':12s} {'samples/s':>10s} {'vs eager':>9s} {'spread':>7s} "
           f"{'cosine':>8s} {'build s':>8s}")
     for name, make, shape in cases:
+        built = _build(make, shape)
         for batch in (1, 16):
-            case = _case(name, make, shape, batch, args)
+            case = _case(name, *built, shape, batch, args)
             results["cases"].append(case)
             for variant, r in case["variants"].items():
                 build = "" if r["build_s"] is None else f"{r['build_s']:.1f}"

@@ -64,7 +64,12 @@ def _residual_data(seed=0):
 def digits():
     from recipes.quantize_int8 import train_fp32
 
-    return train_fp32(seed=0, epochs=4, image_size=8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps: one thread is faster, above all on a shared machine
+    try:
+        return train_fp32(seed=0, epochs=3, image_size=8)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_digits_int8_top1_within_half_a_point(digits):
@@ -441,7 +446,7 @@ def test_no_vnni_saturation_is_avoided():
 
 def test_recipe_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "recipes.quantize_int8", "--epochs", "1", "--calib-batches", "1",
+    proc = subprocess.run([sys.executable, "-m", "recipes.quantize_int8", "--epochs", "1", "--image-size", "8", "--calib-batches", "1",
                            "--no-progress", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
                           cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
