@@ -141,6 +141,30 @@ class Branchy(nn.Module):
         return self.c(x)
 
 
+class TwoWay(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) if x.mean() > 0 else self.c(torch.relu(self.b(x)))
+
+
+def test_branch_never_calibrated_stays_fp32_and_runs():
+    torch.manual_seed(0)
+    model = TwoWay().eval()
+    pos = [torch.rand(4, 8) + 0.1 for _ in range(2)]
+    neg = -torch.rand(4, 8) - 0.1
+    # The example input takes the b/c branch (so it numbers them first); calibration only ever takes a.
+    prepared, int8 = _quantize(model, neg, pos)
+    assert prepared.ops() == ["0: b (linear)", "1: c (linear)", "2: a (linear)"]
+    assert q.fp32_ops(int8) == ["b (linear): never ran during calibration",
+                                "c (linear): never ran during calibration"]
+    with torch.no_grad():
+        assert _cos(int8(pos[1]), model(pos[1])) >= 0.999
+        torch.testing.assert_close(int8(neg), model(neg))  # the other branch runs fp32
+
+
 def test_control_flow_model_quantizes():
     torch.manual_seed(0)
     model = Branchy().eval()

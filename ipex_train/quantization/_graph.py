@@ -59,7 +59,7 @@ class Op:
     n_inputs: int
     module: nn.Module | None = None
     id: int = -1
-    calls: int = 0
+    calls: int = 0                 # calls during calibration batches
     inputs_flow: list = field(default_factory=list)
     in_obs: list = field(default_factory=list)
     out_obs: object = None
@@ -176,7 +176,8 @@ class Recorder(TorchFunctionMode):
                 tag.op.relu_fusable = tag.op.relu_fusable is not False and tag.consumers == ["relu"]
 
     def _ran(self, op: Op) -> None:
-        op.calls += 1
+        if self.observe:
+            op.calls += 1  # calibration calls: an op never observed has no scales and stays fp32
         if self.discover and op not in self.seen:
             self.seen.append(op)
 
