@@ -44,7 +44,7 @@ class Int8Layer(nn.Module):
                 x = Runtime.quantize(x, self.in_scale, self.in_zero_point)
             if self.memory_format is not None and not x.is_contiguous(memory_format=self.memory_format):
                 x = x.contiguous(memory_format=self.memory_format)  # channels-last: oneDNN's fast int8 layout
-            y = self.q(x)
+            y = self.q.forward(x)  # skips a second Module.__call__ (hooks are not supported on it)
             if not self.out_quantized:
                 return y.dequantize()
         Runtime.tag(y, self.op_name, self.relu)
