@@ -298,6 +298,10 @@ def test_mismatching_summary_names_first_mismatch_and_changes_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"op 2 \('conv2\+add'\): output_scales\[0\] = -1.0 is not a positive"):
         prepared.load_qconf_summary(_summary_file(tmp_path, bad))
     bad = copy.deepcopy(good)
+    bad[2]["inputs_flow"] = ["fc.output0", "conv1.output0"]
+    with pytest.raises(ValueError, match=r"op 2 \('conv2\+add'\): inputs_flow is \['fc.output0'"):
+        prepared.load_qconf_summary(_summary_file(tmp_path, bad))
+    bad = copy.deepcopy(good)
     bad[0]["input_quantized_dtypes"] = ["int4"]
     with pytest.raises(ValueError, match=r"input_quantized_dtypes\[0\] = 'int4'"):
         prepared.load_qconf_summary(_summary_file(tmp_path, bad))

@@ -156,7 +156,8 @@ def convert(prepared, inplace=False) -> QuantizedModel:
     with engine_scope(), torch.no_grad():
         for op, e in zip(graph.ops, summary):
             if not _summary.int8(e):
-                fp32.append(f"{op.name} ({op.kind}): " + ("never ran during calibration" if op.calls == 0
+                never = any(v is None for v in e["input_scales"])
+                fp32.append(f"{op.name} ({op.kind}): " + ("never ran during calibration" if never
                                                            else "inputs_quantized is false in the summary"))
             elif op.module is None:
                 key = tuple(f.removesuffix(".output0") for f in op.inputs_flow)

@@ -22,7 +22,7 @@ import math
 
 ACT_DTYPE = "uint8"
 WEIGHT_RANGES = ([-128, 127], [-64, 63])
-_STRUCTURE = ("id", "name", "type")
+_STRUCTURE = ("id", "name", "type", "inputs_flow", "outputs_flow")
 
 
 def entry(op, qconfig, bits: int) -> dict:
@@ -90,7 +90,8 @@ def _check(e, op, i) -> None:
     where = f"load_qconf_summary: op {i} ({op.name!r})"
     if not isinstance(e, dict):
         raise ValueError(f"{where}: entry must be a JSON object, got {type(e).__name__}")
-    want = {"id": i, "name": op.name, "type": op.kind}
+    want = {"id": i, "name": op.name, "type": op.kind, "inputs_flow": list(op.inputs_flow),
+            "outputs_flow": [f"{op.name}.output0"]}
     for key in _STRUCTURE:
         if e.get(key) != want[key]:
             raise ValueError(f"{where}: {key} is {e.get(key)!r} in the file but {want[key]!r} in this model")
@@ -106,6 +107,8 @@ def _check(e, op, i) -> None:
                 nullable = key.endswith(("scales", "zero_points")) and not int8(e)
                 if not (nullable and v is None) and not check(v):
                     raise ValueError(f"{where}: {key}[{k}] = {v!r} is not {check.__doc__}")
+    if e.get("algorithm") not in ("min_max", "histogram"):
+        raise ValueError(f"{where}: algorithm must be \"min_max\" or \"histogram\", got {e.get('algorithm')!r}")
     if e.get("post_op") not in (None, "relu"):
         raise ValueError(f"{where}: post_op must be null or \"relu\", got {e.get('post_op')!r}")
     if op.module is None:
