@@ -1,5 +1,5 @@
-"""ipex_train.quantization: int8 numerics against fp32, the JSON summary, deployment, and every bad input."""
-import copy
+"""ipex_train.quantization: int8 numerics against fp32 (digits, ResNet-50, BERT-style, HF BERT), control flow,
+fusion, optimize() composition, new shapes, deployment in a fresh process, the no-VNNI saturation trap, the recipe."""
 import json
 import os
 import subprocess
@@ -8,56 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 import ipex_train
 from benchmarks.bench_int8 import BertStyleEncoder, resnet50
 from ipex_train import quantization as q
-from ipex_train.quantization._runtime import Int8Layer
+from int8_helpers import Residual, cos, int8_layers, quantize, residual_data
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _cos(a, b):
-    return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
-
-
-def _quantize(model, example, calib, qconfig=q.default_static_qconfig):
-    prepared = q.prepare(model, qconfig, example_inputs=example)
-    with torch.no_grad():
-        for c in calib:
-            prepared(*c) if isinstance(c, tuple) else prepared(c)
-    return prepared, q.convert(prepared)
-
-
-def _int8_layers(quantized):
-    return [m for m in quantized.modules() if isinstance(m, Int8Layer)]
-
-
-class Residual(nn.Module):
-    """conv-bn-relu, a second conv, a residual add written as ``out += y`` and a relu, max-pool, linear head."""
-
-    def __init__(self, c=8):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
-        self.relu = nn.ReLU(inplace=True)
-        self.pool = nn.MaxPool2d(2)
-        self.fc = nn.Linear(c * 4 * 4, 5)
-
-    def forward(self, x):
-        y = self.relu(self.bn1(self.conv1(x)))
-        out = self.conv2(y)
-        out += y
-        out = self.relu(out)
-        return self.fc(torch.flatten(self.pool(out), 1))
-
-
-def _residual_data(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.relu(torch.randn(4, 8, 8, 8, generator=g)) for _ in range(3)]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +35,7 @@ def test_digits_int8_top1_within_half_a_point(digits):
 
     model, (x_train, _), (x_test, y_test) = digits
     _, int8 = calibrate_and_convert(model, x_train[:256], 64)
-    assert len(_int8_layers(int8)) == 4  # three conv(+relu) and the classifier run int8
+    assert len(int8_layers(int8)) == 4  # three conv(+relu) and the classifier run int8
     fp32_acc, int8_acc = accuracy(model, x_test, y_test), accuracy(int8, x_test, y_test)
     assert fp32_acc > 0.9
     assert abs(int8_acc - fp32_acc) <= 0.005, (fp32_acc, int8_acc)
@@ -87,25 +45,25 @@ def test_resnet50_cosine_and_everything_int8():
     torch.manual_seed(0)
     model = resnet50()
     x = torch.randn(2, 3, 64, 64)
-    prepared, int8 = _quantize(model, x[:1], [torch.randn(2, 3, 64, 64) for _ in range(2)])
+    prepared, int8 = quantize(model, x[:1], [torch.randn(2, 3, 64, 64) for _ in range(2)])
     summary = int8.qconf_summary
     assert sum(e["type"] == "add" for e in summary) == 16  # every bottleneck's residual add
     assert all(e["post_op"] == "relu" for e in summary if e["type"] == "add")
     assert q.fp32_ops(int8, x) == []  # no conv, add, pool or flatten fell back to fp32
     with torch.no_grad():
-        assert _cos(int8(x), model(x)) >= 0.999
+        assert cos(int8(x), model(x)) >= 0.999
 
 
 def test_bert_style_encoder_cosine():
     torch.manual_seed(0)
     model = BertStyleEncoder(layers=2, d_model=128, heads=4, ffn=512).eval()
     x = torch.randn(2, 32, 128)
-    _, int8 = _quantize(model, x[:1], [torch.randn(4, 32, 128) for _ in range(2)])
-    assert len(_int8_layers(int8)) == 12
+    _, int8 = quantize(model, x[:1], [torch.randn(4, 32, 128) for _ in range(2)])
+    assert len(int8_layers(int8)) == 12
     fp32 = q.fp32_ops(int8, x)
     assert "fp32 call: matmul x4" in fp32 and "fp32 call: softmax x2" in fp32  # attention stays fp32
     with torch.no_grad():
-        assert _cos(int8(x), model(x)) >= 0.99
+        assert cos(int8(x), model(x)) >= 0.99
 
 
 def test_huggingface_bert_quantizes():
@@ -116,14 +74,14 @@ def test_huggingface_bert_quantizes():
     model = transformers.BertModel(config).eval()
     ids = torch.randint(0, 100, (2, 16))
     mask = torch.ones_like(ids)
-    _, int8 = _quantize(model, {"input_ids": ids[:1], "attention_mask": mask[:1]},
+    _, int8 = quantize(model, {"input_ids": ids[:1], "attention_mask": mask[:1]},
                         [(torch.randint(0, 100, (2, 16)),) for _ in range(2)])
-    assert len(_int8_layers(int8)) == 2 * 6 + 1  # Q, K, V, attention output, FFN in/out per layer, pooler
+    assert len(int8_layers(int8)) == 2 * 6 + 1  # Q, K, V, attention output, FFN in/out per layer, pooler
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).last_hidden_state
         got = int8(input_ids=ids, attention_mask=mask).last_hidden_state
     assert not got.is_quantized
-    assert _cos(got, want) >= 0.99
+    assert cos(got, want) >= 0.99
 
 
 class Branchy(nn.Module):
@@ -156,12 +114,12 @@ def test_branch_never_calibrated_stays_fp32_and_runs():
     pos = [torch.rand(4, 8) + 0.1 for _ in range(2)]
     neg = -torch.rand(4, 8) - 0.1
     # The example input takes the b/c branch (so it numbers them first); calibration only ever takes a.
-    prepared, int8 = _quantize(model, neg, pos)
+    prepared, int8 = quantize(model, neg, pos)
     assert prepared.ops() == ["0: b (linear)", "1: c (linear)", "2: a (linear)"]
     assert q.fp32_ops(int8) == ["b (linear): never ran during calibration",
                                 "c (linear): never ran during calibration"]
     with torch.no_grad():
-        assert _cos(int8(pos[1]), model(pos[1])) >= 0.999
+        assert cos(int8(pos[1]), model(pos[1])) >= 0.999
         torch.testing.assert_close(int8(neg), model(neg))  # the other branch runs fp32
 
 
@@ -169,26 +127,26 @@ def test_control_flow_model_quantizes():
     torch.manual_seed(0)
     model = Branchy().eval()
     calib = [torch.randn(8, 16) * s for s in (0.5, 1.0, 2.0)]
-    prepared, int8 = _quantize(model, calib[0], calib)
+    prepared, int8 = quantize(model, calib[0], calib)
     summary = [(e["name"], e["post_op"]) for e in int8.qconf_summary]
     assert summary == [("a", "relu"), ("b", None), ("b+add", None), ("c", None)]
     with torch.no_grad():
         for scale in (0.3, 1.0, 3.0):  # different loop counts
             x = torch.randn(8, 16) * scale
-            assert _cos(int8(x), model(x)) >= 0.99
+            assert cos(int8(x), model(x)) >= 0.99
 
 
 def test_residual_inplace_add_relu_fused_and_correct():
     torch.manual_seed(0)
     model = Residual().eval()
-    data = _residual_data()
-    prepared, int8 = _quantize(model, data[0], data)
+    data = residual_data()
+    prepared, int8 = quantize(model, data[0], data)
     kinds = {e["name"]: (e["type"], e["post_op"]) for e in int8.qconf_summary}
     assert kinds == {"conv1": ("conv2d", "relu"), "conv2": ("conv2d", None), "conv2+add": ("add", "relu"),
                      "fc": ("linear", None)}
     assert q.fp32_ops(int8, data[0]) == []
     with torch.no_grad():
-        assert _cos(int8(data[1]), model(data[1])) >= 0.999
+        assert cos(int8(data[1]), model(data[1])) >= 0.999
 
 
 class StatementAdd(nn.Module):
@@ -208,11 +166,11 @@ class StatementAdd(nn.Module):
 def test_statement_inplace_add_writes_in_place():
     torch.manual_seed(0)
     model = StatementAdd().eval()
-    data = _residual_data()
-    _, int8 = _quantize(model, data[0], data)
+    data = residual_data()
+    _, int8 = quantize(model, data[0], data)
     assert [e["name"] for e in int8.qconf_summary] == ["conv0", "conv", "conv+add"]
     with torch.no_grad():
-        assert _cos(int8(data[1]), model(data[1])) >= 0.999
+        assert cos(int8(data[1]), model(data[1])) >= 0.999
 
 
 @pytest.mark.parametrize("conv,shape", [(nn.Conv1d, (2, 4, 12)), (nn.Conv3d, (2, 4, 5, 6, 6))])
@@ -220,153 +178,11 @@ def test_conv1d_conv3d_with_relu(conv, shape):
     torch.manual_seed(0)
     model = nn.Sequential(conv(4, 8, 3, padding=1), nn.ReLU(), conv(8, 4, 3)).eval()
     x = torch.randn(shape)
-    _, int8 = _quantize(model, x, [torch.randn(shape) for _ in range(2)])
+    _, int8 = quantize(model, x, [torch.randn(shape) for _ in range(2)])
     assert [e["post_op"] for e in int8.qconf_summary] == ["relu", None]
-    assert len(_int8_layers(int8)) == 2
+    assert len(int8_layers(int8)) == 2
     with torch.no_grad():
-        assert _cos(int8(x), model(x)) >= 0.999
-
-
-def test_symmetric_qconfig_and_histogram_observer():
-    torch.manual_seed(0)
-    model = Residual().eval()
-    data = _residual_data()
-    _, sym = _quantize(model, data[0], data, q.symmetric_static_qconfig)
-    # torch's symmetric uint8 observers centre on (quant_min + quant_max) // 2 = 127 for the 0..255 range
-    assert all(z == 127 for e in sym.qconf_summary for z in e["input_zero_points"] + e["output_zero_points"])
-    _, hist = _quantize(model, data[0], data, q.QConfig(observer="histogram"))
-    assert {e["algorithm"] for e in hist.qconf_summary} == {"histogram"}
-    with torch.no_grad():
-        for int8 in (sym, hist):
-            assert _cos(int8(data[1]), model(data[1])) >= 0.999
-
-
-def test_json_round_trip_is_bit_exact(tmp_path):
-    torch.manual_seed(0)
-    model = torchvision.models.resnet18(weights=None).eval()
-    x = torch.randn(1, 3, 32, 32)
-    prepared, int8 = _quantize(model, x, [torch.randn(2, 3, 32, 32)])
-    path = tmp_path / "qconf.json"
-    prepared.save_qconf_summary(path)
-    fresh = q.prepare(model, example_inputs=x)
-    fresh.load_qconf_summary(path)
-    reloaded = q.convert(fresh)
-    assert reloaded.qconf_summary == int8.qconf_summary
-    with torch.no_grad():
-        assert torch.equal(reloaded(x), int8(x))
-
-
-def test_edited_summary_keeps_a_layer_fp32(tmp_path):
-    torch.manual_seed(0)
-    model = Residual().eval()
-    data = _residual_data()
-    prepared, _ = _quantize(model, data[0], data)
-    path = tmp_path / "qconf.json"
-    prepared.save_qconf_summary(path)
-    summary = json.loads(path.read_text())
-    [fc] = [e for e in summary if e["name"] == "fc"]
-    fc["inputs_quantized"] = [False]
-    path.write_text(json.dumps(summary, indent=1))
-    fresh = q.prepare(model, example_inputs=data[0])
-    fresh.load_qconf_summary(path)
-    int8 = q.convert(fresh)
-    assert type(int8.model.fc) is nn.Linear
-    assert q.fp32_ops(int8) == ["fc (linear): inputs_quantized is false in the summary"]
-    with torch.no_grad():
-        assert _cos(int8(data[1]), model(data[1])) >= 0.999
-
-
-def _summary_file(tmp_path, summary, name="bad.json"):
-    path = tmp_path / name
-    path.write_text(json.dumps(summary))
-    return path
-
-
-def test_mismatching_summary_names_first_mismatch_and_changes_nothing(tmp_path):
-    torch.manual_seed(0)
-    model = Residual().eval()
-    data = _residual_data()
-    prepared, int8 = _quantize(model, data[0], data)
-    good = prepared.qconf_summary()
-    other, _ = _quantize(nn.Sequential(nn.Conv2d(8, 8, 1)).eval(), data[0], data[:1])
-    with pytest.raises(ValueError, match=r"op 0 \('conv1'\): name is '0' in the file but 'conv1'"):
-        prepared.load_qconf_summary(_summary_file(tmp_path, other.qconf_summary()))
-    with pytest.raises(ValueError, match=r"has 3 ops, this model has 4; the first missing one is op 3 \('fc'\)"):
-        prepared.load_qconf_summary(_summary_file(tmp_path, good[:3]))
-    bad = copy.deepcopy(good)
-    bad[2]["output_scales"] = [-1.0]
-    with pytest.raises(ValueError, match=r"op 2 \('conv2\+add'\): output_scales\[0\] = -1.0 is not a positive"):
-        prepared.load_qconf_summary(_summary_file(tmp_path, bad))
-    bad = copy.deepcopy(good)
-    bad[2]["inputs_flow"] = ["fc.output0", "conv1.output0"]
-    with pytest.raises(ValueError, match=r"op 2 \('conv2\+add'\): inputs_flow is \['fc.output0'"):
-        prepared.load_qconf_summary(_summary_file(tmp_path, bad))
-    bad = copy.deepcopy(good)
-    bad[0]["input_quantized_dtypes"] = ["int4"]
-    with pytest.raises(ValueError, match=r"input_quantized_dtypes\[0\] = 'int4'"):
-        prepared.load_qconf_summary(_summary_file(tmp_path, bad))
-    bad = copy.deepcopy(good)
-    bad[3]["weight_scales"] = [[0.1, 0.2]]
-    with pytest.raises(ValueError, match=r"op 3 \('fc'\): weight_scales"):
-        prepared.load_qconf_summary(_summary_file(tmp_path, bad))
-    (tmp_path / "broken.json").write_text("[{")
-    with pytest.raises(ValueError, match="not valid JSON"):
-        prepared.load_qconf_summary(tmp_path / "broken.json")
-    assert prepared.qconf_summary() == good  # nothing was loaded
-    with torch.no_grad():
-        assert torch.equal(q.convert(prepared)(data[1]), int8(data[1]))
-
-
-def test_bad_inputs_leave_the_model_unchanged():
-    torch.manual_seed(0)
-    model = Residual()
-    state = copy.deepcopy(model.state_dict())
-    x = _residual_data()[0]
-    with pytest.raises(ValueError, match="training mode"):
-        q.prepare(model, example_inputs=x)
-    assert model.training
-    model.eval()
-    with pytest.raises(TypeError, match="qconfig must be"):
-        q.prepare(model, qconfig="fbgemm", example_inputs=x)
-    with pytest.raises(TypeError, match="example_inputs is required"):
-        q.prepare(model)
-    with pytest.raises(TypeError, match="example_inputs must be"):
-        q.prepare(model, example_inputs=3)
-    with pytest.raises(TypeError, match="model must be an eager"):
-        q.prepare(torch.jit.script(nn.Linear(2, 2).eval()), example_inputs=torch.randn(1, 2))
-    with pytest.raises(ValueError, match="activation_qscheme must be one of"):
-        q.QConfig(activation_qscheme=torch.per_channel_affine)
-    with pytest.raises(ValueError, match="activation_dtype must be torch.quint8"):
-        q.QConfig(activation_dtype=torch.qint8)
-    with pytest.raises(TypeError, match="weight_dtype must be a torch.dtype"):
-        q.QConfig(weight_dtype="int8")
-    with pytest.raises(ValueError, match="observer must be one of"):
-        q.QConfig(observer="kl")
-    with pytest.raises(ValueError, match="weight_bits must be None, 7 or 8"):
-        q.QConfig(weight_bits=4)
-    prepared = q.prepare(model, example_inputs=x)
-    with pytest.raises(RuntimeError, match="no calibration batch"):
-        q.convert(prepared)
-    with pytest.raises(RuntimeError, match="no calibration batch"):
-        prepared.save_qconf_summary("unused.json")
-    with torch.no_grad():
-        prepared(x)
-    prepared.train()
-    with pytest.raises(ValueError, match="training mode"):
-        q.convert(prepared)
-    prepared.eval()
-    with pytest.raises(TypeError, match="convert\\(\\): prepared must be the PreparedModel"):
-        q.convert(model)
-    int8 = q.convert(prepared, inplace=True)
-    with pytest.raises(TypeError, match="already converted"):
-        q.convert(int8)
-    with pytest.raises(RuntimeError, match="already converted in place"):
-        q.convert(prepared)
-    # The user's model: same type of every module (BatchNorm not folded away), same values, no hooks left.
-    assert isinstance(model.bn1, nn.BatchNorm2d)
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, state[k]), k
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+        assert cos(int8(x), model(x)) >= 0.999
 
 
 def test_composes_with_optimize_fold_and_dropout():
@@ -378,30 +194,30 @@ def test_composes_with_optimize_fold_and_dropout():
             m.running_mean.uniform_(-1, 1)
             m.running_var.uniform_(0.5, 2)
     model.eval()
-    data = _residual_data()
+    data = residual_data()
     optimized = ipex_train.optimize(model, sample_input=data[0])
     assert not any(isinstance(m, (nn.BatchNorm2d, nn.Dropout)) for m in optimized.modules())
-    _, int8 = _quantize(optimized, data[0], data)
+    _, int8 = quantize(optimized, data[0], data)
     assert [e["post_op"] for e in int8.qconf_summary] == ["relu", None]
     with torch.no_grad():
-        assert _cos(int8(data[1]), model(data[1])) >= 0.999
+        assert cos(int8(data[1]), model(data[1])) >= 0.999
 
 
 def test_new_batch_size_and_sequence_length():
     torch.manual_seed(0)
     cnn = Residual().eval()
-    data = _residual_data()
-    _, int8 = _quantize(cnn, data[0][:1], data)
+    data = residual_data()
+    _, int8 = quantize(cnn, data[0][:1], data)
     with torch.no_grad():
         for batch in (1, 3, 7):
             x = torch.relu(torch.randn(batch, 8, 8, 8))
-            assert _cos(int8(x), cnn(x)) >= 0.995
+            assert cos(int8(x), cnn(x)) >= 0.995
     enc = BertStyleEncoder(layers=1, d_model=64, heads=4, ffn=128).eval()
-    _, int8 = _quantize(enc, torch.randn(1, 16, 64), [torch.randn(2, 16, 64)])
+    _, int8 = quantize(enc, torch.randn(1, 16, 64), [torch.randn(2, 16, 64)])
     with torch.no_grad():
         for batch, seq in ((1, 16), (3, 5), (2, 40)):
             x = torch.randn(batch, seq, 64)
-            assert _cos(int8(x), enc(x)) >= 0.99
+            assert cos(int8(x), enc(x)) >= 0.99
 
 
 _LOAD = """
@@ -419,8 +235,8 @@ print("ok", torch.backends.quantized.engine)
 def test_trace_freeze_save_load_in_a_fresh_process(tmp_path):
     torch.manual_seed(0)
     model = Residual().eval()
-    data = _residual_data()
-    _, int8 = _quantize(model, data[0], data)
+    data = residual_data()
+    _, int8 = quantize(model, data[0], data)
     with torch.no_grad():
         traced = torch.jit.freeze(torch.jit.trace(int8, data[0]))
         want = int8(data[1])
