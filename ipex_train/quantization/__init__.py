@@ -20,6 +20,10 @@ capture, and torch.jit.trace records plain aten/quantized ops. Not used: the one
 quantize/dequantize mapping for it, so a quantize/dequantize reference graph ran its convolutions in fp32, measured
 0.94x of fp32) and onednn::qconv_pointwise (its weights are MKLDNN tensors, which TorchScript cannot save).
 
+Deprecation: torch 2.14 warns that torch.ao quantization and quantized tensors are deprecated in favour of
+torchao's pt2e flow (torch.compile based; with torch 2.14.1 + torchao 0.18 its X86InductorQuantizer failed on
+ResNet-50 here). The kernels used above still ship in torch 2.14; these warnings come from torch at convert().
+
 No torch.fx: prepare() finds the ops by running the model once under module hooks and a TorchFunctionMode
 (see _graph.py), so data-dependent control flow and HuggingFace models quantize.
 
