@@ -149,6 +149,31 @@ def test_residual_inplace_add_relu_fused_and_correct():
         assert cos(int8(data[1]), model(data[1])) >= 0.999
 
 
+def test_threads_run_one_converted_model_concurrently():
+    import threading
+
+    torch.manual_seed(0)
+    model = Residual().eval()
+    data = residual_data()
+    _, int8 = quantize(model, data[0], data)
+    with torch.no_grad():
+        want = [int8(x) for x in data]
+    got = [None] * len(data)
+
+    def run(i):
+        with torch.no_grad():
+            for _ in range(5):
+                got[i] = int8(data[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(data))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 class StatementAdd(nn.Module):
     """``out.add_(x)`` as a statement: the in-place result must land in ``out`` itself."""
 

@@ -24,6 +24,7 @@ appears on a later batch (another branch) stays fp32.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -126,13 +127,13 @@ class Graph:
 
     @staticmethod
     def _pre_hook(module, inputs):
-        rec = Recorder.current
+        rec = Recorder.active()
         if rec is not None and inputs and isinstance(inputs[0], torch.Tensor):
             rec.module_input(rec.graph.by_module[id(module)], inputs[0])
 
     @staticmethod
     def _post_hook(module, inputs, output):
-        rec = Recorder.current
+        rec = Recorder.active()
         if rec is not None and isinstance(output, torch.Tensor):
             rec.module_output(rec.graph.by_module[id(module)], output)
 
@@ -153,7 +154,12 @@ class Recorder(TorchFunctionMode):
     """One forward pass of a prepared model: tags tensors with their producing op, feeds the observers
     (``observe``), and in the structure pass (``discover``) creates the add ops and numbers everything."""
 
-    current: Recorder | None = None
+    _local = threading.local()  # the recording pass per thread
+
+    @staticmethod
+    def active():
+        """The recorder of the prepared-model forward running in this thread, or None."""
+        return getattr(Recorder._local, "current", None)
 
     def __init__(self, graph: Graph, observe: bool, discover: bool):
         super().__init__()
@@ -163,13 +169,13 @@ class Recorder(TorchFunctionMode):
         self.seen: list[Op] = []
 
     def __enter__(self):
-        if Recorder.current is not None:
+        if Recorder.active() is not None:
             raise RuntimeError("a prepared model is already calibrating in this thread (nested calls)")
-        Recorder.current = self
+        Recorder._local.current = self
         return super().__enter__()
 
     def __exit__(self, *exc):
-        Recorder.current = None
+        Recorder._local.current = None
         super().__exit__(*exc)
         if exc[0] is None:
             for tag in self.raw:

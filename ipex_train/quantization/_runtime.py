@@ -17,6 +17,7 @@ ops: the traced graph needs no ipex_train code to load or run.
 """
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import torch
@@ -86,7 +87,7 @@ def _dequantize(x):
 class Runtime(TorchFunctionMode):
     """The mode of one QuantizedModel forward. ``calls`` (a Counter), when given, counts the fp32 calls by name."""
 
-    current: Runtime | None = None
+    _local = threading.local()  # the active runtime per thread: torch's mode stack is per thread too
 
     def __init__(self, adds: dict[tuple, AddPlan], calls: Counter | None = None):
         super().__init__()
@@ -95,17 +96,22 @@ class Runtime(TorchFunctionMode):
         self.last = None  # (fp32 tensor, its version, scale, zero point, int8 tensor) of the last quantization
 
     def __enter__(self):
-        self.outer, Runtime.current = Runtime.current, self
+        self.outer, Runtime._local.current = Runtime.active(), self
         return super().__enter__()
 
     def __exit__(self, *exc):
-        Runtime.current = self.outer
+        Runtime._local.current = self.outer
         return super().__exit__(*exc)
+
+    @staticmethod
+    def active():
+        """The runtime of the QuantizedModel forward running in this thread, or None."""
+        return getattr(Runtime._local, "current", None)
 
     @staticmethod
     def quantize(x, scale: float, zero_point: int):
         """x quantized to uint8; layers reading one fp32 tensor with the same qparams (Q, K, V) share one pass."""
-        rt = Runtime.current
+        rt = Runtime.active()
         key = (x._version, scale, zero_point)
         if rt is not None and rt.last is not None and rt.last[0] is x and rt.last[1:4] == key:
             return rt.last[4]
@@ -117,8 +123,9 @@ class Runtime(TorchFunctionMode):
     @staticmethod
     def tag(y, name: str, relu: bool) -> None:
         """Record that int8 tensor ``y`` comes from op ``name`` (after its relu when ``relu``)."""
-        if Runtime.current is not None:
-            Runtime.current.flow[y] = (name, relu)
+        rt = Runtime.active()
+        if rt is not None:
+            rt.flow[y] = (name, relu)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
