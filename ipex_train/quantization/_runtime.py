@@ -137,7 +137,8 @@ class Runtime(TorchFunctionMode):
             return func(*args, **kwargs)
         if name in METADATA:
             return func(*args, **kwargs)
-        tag = self.flow.get(args[0]) if args and isinstance(args[0], torch.Tensor) else None
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        tag = self.flow.get(first) if first is not None else None
         if name in ADD and not kwargs and len(args) == 2:
             plan = self._add_plan(args)
             if plan is not None:
@@ -146,13 +147,13 @@ class Runtime(TorchFunctionMode):
                     self.flow[y] = (plan.name, plan.relu)
                 return y
         if name in RELU and tag is not None and tag[1]:
-            return args[0]
-        if (name in RELU or name in TRANSPARENT) and args[0].is_quantized:
+            return first
+        if (name in RELU or name in TRANSPARENT) and first is not None and first.is_quantized:
             y = func(*args, **kwargs)
             if tag is not None and isinstance(y, torch.Tensor) and y.is_quantized:
                 self.flow[y] = (tag[0], name in RELU)
             return y
-        if inplace(name) and isinstance(args[0], torch.Tensor) and args[0].is_quantized:
+        if inplace(name) and first is not None and first.is_quantized:
             raise RuntimeError(f"ipex_train.quantization: in-place {name} on an int8 tensor produced by "
                                f"{tag[0] if tag else 'an int8 op'!r}, which int8 tensors do not support; set "
                                "outputs_quantized to false for that op in the qconf summary")
