@@ -173,17 +173,21 @@ class Runtime(TorchFunctionMode):
 
 class QuantizedModel(nn.Module):
     """The int8 model convert() returns: ``model`` is the converted module tree; call this wrapper, which runs it
-    under the runtime mode and hands back fp32 outputs. ``qconf_summary`` is the summary it was built from."""
+    under the runtime mode and hands back fp32 outputs."""
 
     def __init__(self, model: nn.Module, adds: dict[tuple, AddPlan], summary: list[dict], fp32: list[str]):
         super().__init__()
         self.model = model
-        self._adds, self.qconf_summary, self._fp32 = adds, summary, fp32
+        self._adds, self._summary, self._fp32 = adds, summary, fp32
 
     def forward(self, *args, **kwargs):
         with Runtime(self._adds):
             out = self.model(*args, **kwargs)
         return tree_map(_dequantize, out)
+
+    def qconf_summary(self) -> list[dict]:
+        """The qconf summary this model was converted from (what save_qconf_summary wrote or would write)."""
+        return self._summary
 
     def fp32_calls(self, *args, **kwargs) -> Counter:
         """Run once on these inputs (no_grad) and count, by name, the torch calls that ran in fp32."""
