@@ -30,10 +30,10 @@ No torch.fx: prepare() finds the ops by running the model once under module hook
 CPUs without VNNI: the int8 kernels saturate u8 x s8 pair sums to int16; prepare() measures this and then
 quantizes weights to 7 bits, which keeps every product exact (see _kernels.py; QConfig.weight_bits overrides it).
 
-Dynamic shapes: the eager int8 model takes any batch size or sequence length at no extra cost beyond the kernels'
-own (oneDNN caches one primitive per shape: the first call at a new shape pays its creation, measured by
-benchmarks/bench_int8.py). A traced model replays the shapes it saw only where the model's Python code computed
-shapes from sizes (as any trace does).
+Dynamic shapes: the eager int8 model takes any batch size or sequence length; nothing is specialised to a shape
+(benchmarks/bench_int8.py times the first call at a new shape: within noise of the steady time here). A traced
+model keeps the shapes its Python code computed from sizes (a reshape to (batch, seq, heads, dim)), as any trace
+does.
 """
 from ._api import PreparedModel, convert, fp32_ops, prepare
 from ._kernels import pair_sums_saturate
