@@ -1,4 +1,4 @@
-"""The benchmark suite: ``python -m benchmarks [--quick] [--out DIR] [--only step,train,inference,xpu] [ARGS...]``.
+"""The benchmark suite: ``python -m benchmarks [--quick] [--out DIR] [--only step,train,inference,int8,xpu] [ARGS...]``.
 
 Each benchmark runs in its own process (so one's memory and thread pools never colour another's, and a failing one
 does not stop the rest) and writes JSON; the suite then writes, under ``--out`` (default out/bench):
@@ -7,7 +7,7 @@ does not stop the rest) and writes JSON; the suite then writes, under ``--out`` 
   and each benchmark's printed table;
 * ``summary.json``: the same, machine-readable;
 * PNG plots: ``step_roofline.png`` (optimizer-step ns/param against the bandwidth floor measured in the same run),
-  ``step_vs_torch.png``, ``train_step.png`` and ``inference.png`` (ratio bars).
+  ``step_vs_torch.png``, ``train_step.png``, ``inference.png`` and ``int8.png`` (ratio bars).
 
 Every figure is a ratio or a median over repeats measured within one run; nothing is compared across runs.
 """
@@ -24,6 +24,7 @@ BENCHMARKS = {
     "step": "benchmarks.bench_step",
     "train": "benchmarks.bench_train_step",
     "inference": "benchmarks.bench_inference",
+    "int8": "benchmarks.bench_int8",
     "xpu": "benchmarks.bench_xpu",
 }
 
@@ -132,11 +133,16 @@ def _bars(path: str, title: str, ylabel: str, groups: dict[str, dict[str, float]
     return path
 
 
-def _plot_inference(data: dict, out: str) -> list[str]:
+def _case_bars(data: dict, path: str, title: str) -> list[str]:
+    """Bars of each case's variants against eager fp32 (bench_inference and bench_int8 share this layout)."""
     groups = {f"{c['model']} b{c['batch']}": {v: r["vs_eager"] for v, r in c["variants"].items()}
               for c in data["cases"]}
-    return [_bars(os.path.join(out, "inference.png"), "inference throughput vs eager fp32 (higher is better)",
-                  "x eager", groups, 1.0)]
+    return [_bars(path, title, "x eager", groups, 1.0)]
+
+
+def _plot_inference(data: dict, out: str) -> list[str]:
+    return _case_bars(data, os.path.join(out, "inference.png"),
+                      "inference throughput vs eager fp32 (higher is better)")
 
 
 def _plot_train(data: dict, out: str) -> list[str]:
@@ -147,7 +153,12 @@ def _plot_train(data: dict, out: str) -> list[str]:
                   "x fp32 step time", groups, 1.0)]
 
 
-PLOTS = {"step": _plot_step, "inference": _plot_inference, "train": _plot_train}
+def _plot_int8(data: dict, out: str) -> list[str]:
+    return _case_bars(data, os.path.join(out, "int8.png"),
+                      "int8 inference throughput vs eager fp32 (higher is better)")
+
+
+PLOTS = {"step": _plot_step, "inference": _plot_inference, "train": _plot_train, "int8": _plot_int8}
 
 
 def _machine() -> dict:

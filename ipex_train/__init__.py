@@ -14,4 +14,14 @@ from .frontend import optimize
 from .inference.jit import enable_onednn_fusion, onednn_fusion_enabled
 
 __all__ = ["OptimizeConfig", "OptimizeSummary", "info", "optim", "optimize", "summary", "enable_onednn_fusion",
-           "onednn_fusion_enabled", "enable_auto_channels_last", "disable_auto_channels_last", "__version__"]
+           "onednn_fusion_enabled", "enable_auto_channels_last", "disable_auto_channels_last", "quantization",
+           "__version__"]
+
+
+def __getattr__(name):
+    # ipex_train.quantization is imported on first use, so that `import ipex_train` does not load torch.ao.
+    if name == "quantization":
+        import importlib
+
+        return importlib.import_module(".quantization", __name__)
+    raise AttributeError(f"module 'ipex_train' has no attribute {name!r}")

@@ -1,0 +1,245 @@
+"""INT8 inference: ipex_train.quantization against eager fp32, ipex_train's fp32 export and stock torch.ao FX int8.
+
+    python -m benchmarks.bench_int8 [--quick] [--json PATH]
+
+Models: ResNet-50 (torchvision, weights=None, BatchNorm statistics set to non-trivial values, 224x224) and a
+BERT-style encoder (BertStyleEncoder below: d_model 768, 12 heads, FFN 3072, seq 128; 2 layers with --quick, else
+4), batch 1 and 16. Variants, all timed interleaved in the same run on the same input:
+
+* eager: the fp32 model under no_grad;
+* fp32_export: ipex_train's fp32 path (fold + dropout removal + ipex_train.inference.export, as bench_inference);
+* int8: ipex_train.quantization prepare -> 2 calibration batches -> convert, called eagerly;
+* int8_jit: the same traced and frozen (the deploy artefact of seed 000);
+* fx_x86, fx_onednn: torch.ao prepare_fx/convert_fx with that engine's default qconfig mapping, traced and frozen.
+
+Each model is calibrated once (2 batches of 4); the traced variants are traced at each batch size. Each variant's
+output cosine similarity to eager fp32 is reported; build seconds include calibration. A dynamic-shape section times the eager int8
+model at a new batch size / sequence length: the first call, then the steady state. Targets are printed as
+PASS/FAIL, never asserted: int8 no slower than the best stock FX path on every case, and >= 2.5x fp32_export on
+ResNet-50 batch 16.
+"""
+import argparse
+import copy
+import json
+import math
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+from benchmarks.bench_inference import _ipex_train, _time_interleaved, _verdict
+from ipex_train import quantization
+
+EXPORT_TARGET = 2.5  # int8 vs ipex_train fp32 export, ResNet-50 batch 16
+
+
+class BertStyleEncoderLayer(nn.Module):
+    """Post-norm BERT layer written out: Q/K/V/output projections, softmax attention, GELU FFN, residual adds."""
+
+    def __init__(self, d_model=768, heads=12, ffn=3072, dropout=0.1):
+        super().__init__()
+        self.heads = heads
+        self.query, self.key, self.value, self.out = (nn.Linear(d_model, d_model) for _ in range(4))
+        self.ffn_in, self.ffn_out = nn.Linear(d_model, ffn), nn.Linear(ffn, d_model)
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.act, self.drop = nn.GELU(), nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, s, d = x.shape
+
+        def split(t):
+            return t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        attn = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d // self.heads), dim=-1)
+        ctx = torch.matmul(attn, v).transpose(1, 2).reshape(b, s, d)
+        x = self.norm1(x + self.drop(self.out(ctx)))
+        return self.norm2(x + self.drop(self.ffn_out(self.act(self.ffn_in(x)))))
+
+
+class BertStyleEncoder(nn.Module):
+    """A stack of BertStyleEncoderLayer (traceable by torch.fx, so stock FX int8 can be compared on it)."""
+
+    def __init__(self, layers=4, d_model=768, heads=12, ffn=3072):
+        super().__init__()
+        self.layers = nn.ModuleList(BertStyleEncoderLayer(d_model, heads, ffn) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def resnet50():
+    """torchvision ResNet-50, random weights, eval mode, BatchNorm statistics and affine set to spread values."""
+    model = torchvision.models.resnet50(weights=None).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.2, 1.0)
+                m.bias.uniform_(-0.1, 0.1)
+    return model
+
+
+def _int8(model, example, calib):
+    prepared = quantization.prepare(model, example_inputs=example)
+    with torch.no_grad():
+        for c in calib:
+            prepared(c)
+    return quantization.convert(prepared)
+
+
+def _traced(model, x):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated")
+        return torch.jit.freeze(torch.jit.trace(model, x, check_trace=False))
+
+
+def _fx(model, engine, example, calib):
+    """torch.ao FX int8 with ``engine``'s default qconfig mapping (weights packed for that engine)."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        prepared = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping(engine), example_inputs=(example,))
+        with torch.no_grad():
+            for c in calib:
+                prepared(c)
+        return convert_fx(prepared)
+    finally:
+        torch.backends.quantized.engine = before
+
+
+def _build(make, shape):
+    """The fp32 model and its calibrated int8 models (ipex_train, FX x86, FX onednn), built once per model and
+    traced per batch size in _case; returns (model, {variant: int8 module}, build seconds, skipped)."""
+    torch.manual_seed(0)
+    model = make()
+    example, calib = torch.randn((1,) + shape), [torch.randn((4,) + shape) for _ in range(2)]
+    built, build_s, skipped = {}, {}, {}
+    for variant, build in (("int8", lambda: _int8(model, example, calib)),
+                           ("fx_x86", lambda: _fx(model, "x86", example, calib)),
+                           ("fx_onednn", lambda: _fx(model, "onednn", example, calib))):
+        start = time.perf_counter()
+        try:
+            built[variant] = build()
+        except Exception as e:  # a variant that does not work here is reported, the others still run
+            skipped[variant] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        build_s[variant] = time.perf_counter() - start
+    return model, built, build_s, skipped
+
+
+def _case(name, model, built, build_s, skipped, shape, batch, args):
+    torch.manual_seed(batch)
+    x = torch.randn((batch,) + shape)
+    fns, build_s = {"eager": model}, dict(build_s)
+    tracers = {"fp32_export": lambda: _ipex_train(model, x), "int8": lambda: built["int8"],
+               "int8_jit": lambda: _traced(built["int8"], x)}
+    tracers.update({v: (lambda v=v: _traced(built[v], x)) for v in ("fx_x86", "fx_onednn") if v in built})
+    for variant, trace in tracers.items():
+        if variant.startswith("int8") and "int8" not in built:
+            continue
+        start = time.perf_counter()
+        fns[variant] = trace()
+        build_s[variant] = build_s.get(variant, 0.0) + time.perf_counter() - start
+    with torch.no_grad():
+        ref = model(x).flatten()
+        cos = {v: F.cosine_similarity(fn(x).flatten(), ref, dim=0).item() for v, fn in fns.items()}
+    repeats = (3 if args.quick else 7) if batch > 1 else (5 if args.quick else 15)
+    timing = _time_interleaved(fns, x, repeats, warmup=1)
+    eager = timing["eager"]["median_s"]
+    variants = {v: {**t, "throughput": batch / t["median_s"], "vs_eager": eager / t["median_s"],
+                    "build_s": build_s.get(v), "cosine": cos[v]} for v, t in timing.items()}
+    dyn = _new_shape(fns["int8"], x) if "int8" in fns else None
+    return {"model": name, "batch": batch, "variants": variants, "skipped": skipped, "new_shape": dyn}
+
+
+def _new_shape(int8_model, x):
+    """Steady time at x's shape, then the first and steady calls at another batch size (images: half, or 2 from
+    batch 1) or half the sequence length (text)."""
+    other = (torch.cat([x, x])[: max(2, x.shape[0] // 2)] if x.dim() == 4 else x[:, : x.shape[1] // 2])
+    with torch.no_grad():
+        steady = _time_interleaved({"int8": int8_model}, x, 3, 0)["int8"]["median_s"]
+        start = time.perf_counter()
+        int8_model(other)
+        first = time.perf_counter() - start
+        steady_new = _time_interleaved({"int8": int8_model}, other, 3, 0)["int8"]["median_s"]
+    return {"shape": list(x.shape), "new_shape": list(other.shape), "steady_s": steady, "first_new_s": first,
+            "steady_new_s": steady_new}
+
+
+def run(args):
+    """Run every case, print the table and targets; returns (and with args.json writes) the results."""
+    layers = 2 if args.quick else 4
+    cases = [("resnet50", resnet50, (3, 224, 224)),
+             ("bert_encoder", lambda: BertStyleEncoder(layers).eval(), (128, 768))]
+    results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "quick": bool(args.quick),
+               "pair_sums_saturate": quantization.pair_sums_saturate(), "cases": []}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, quick={bool(args.quick)}, "
+          f"int8 pair sums saturate: {results['pair_sums_saturate']}")
+    print(f"{'model':13s} {'batch':>5s} {'variant':12s} {'samples/s':>10s} {'vs eager':>9s} {'spread':>7s} "
+          f"{'cosine':>8s} {'build s':>8s}")
+    for name, make, shape in cases:
+        built = _build(make, shape)
+        for batch in (1, 16):
+            case = _case(name, *built, shape, batch, args)
+            results["cases"].append(case)
+            for variant, r in case["variants"].items():
+                build = "" if r["build_s"] is None else f"{r['build_s']:.1f}"
+                print(f"{name:13s} {batch:5d} {variant:12s} {r['throughput']:10.2f} {r['vs_eager']:8.2f}x "
+                      f"{r['spread']:6.0%} {r['cosine']:8.5f} {build:>8s}", flush=True)
+            for variant, reason in case["skipped"].items():
+                print(f"{name:13s} {batch:5d} {variant:12s} skipped: {reason}")
+            d = case["new_shape"]
+            if d:
+                print(f"{name:13s} {batch:5d} new shape {d['shape']} -> {d['new_shape']}: steady "
+                      f"{d['steady_s'] * 1e3:.0f} ms, first call at the new shape {d['first_new_s'] * 1e3:.0f} ms, "
+                      f"then {d['steady_new_s'] * 1e3:.0f} ms", flush=True)
+    print("\ntargets")
+    verdicts = []
+    for case in results["cases"]:
+        v, label = case["variants"], f"{case['model']} b{case['batch']}"
+        if "int8" not in v:
+            continue
+        stock = [s for s in ("fx_x86", "fx_onednn") if s in v]
+        if stock:
+            best = min(stock, key=lambda s: v[s]["median_s"])
+            ratio = v[best]["median_s"] / v["int8"]["median_s"]
+            spread = max(v[best]["spread"], v["int8"]["spread"])
+            verdicts.append((f"{label}: int8 no slower than the best stock FX int8 ({best})", ratio,
+                             _verdict(ratio, spread)))
+        if case["model"] == "resnet50" and case["batch"] == 16 and "fp32_export" in v:
+            ratio = v["fp32_export"]["median_s"] / v["int8"]["median_s"]
+            verdicts.append((f"{label}: int8 >= {EXPORT_TARGET}x ipex_train fp32 export", ratio,
+                             "PASS" if ratio >= EXPORT_TARGET else "FAIL"))
+    for text, ratio, verdict in verdicts:
+        print(f"  {verdict:20s} {text} ({ratio:.2f}x)")
+    results["targets"] = [{"target": t, "ratio": r, "verdict": v} for t, r, v in verdicts]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+def main(argv=None):
+    # torch 2.14 deprecates torch.ao quantization and quantized tensors (one warning per call site); the report
+    # states it once instead of repeating them between the rows.
+    warnings.filterwarnings("ignore", module=r"torch\.ao\..*")
+    warnings.filterwarnings("ignore", message=r".*(quantiz|deprecated|reduce_range).*")
+    print("note: torch 2.14 marks torch.ao quantization and quantized tensors deprecated (int8 here uses them)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, 2 encoder layers")
+    parser.add_argument("--json", help="write the results here")
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
