@@ -35,7 +35,7 @@ ext = CppExtension(
 # A wheel (a non-editable install) carries copies of them in ipex_train/_sources; an editable install reads the tree.
 SYCL_SOURCES = sorted(
     ["kernels_xpu/rtc/steps.cpp", "kernels_xpu/host/module.cpp", "kernels_cpu/src/kernel_abi.h",
-     "kernels_cpu/src/optimizers.h"]
+     "kernels_cpu/src/optimizers.h", "kernels_cpu/src/step_args.h"]
     + [os.path.relpath(f, HERE).replace(os.sep, "/")
        for f in glob.glob(os.path.join(HERE, "kernels_cpu", "include", "**", "*.h"), recursive=True)]
 )

@@ -4,20 +4,38 @@
 
 #include <stdint.h>
 
-#include "ipex_train/elementwise.h"  // Layout, Chunk, the per-element steps
+#include "ipex_train/elementwise.h"  // Layout, Chunk, the fused:: entries of the update headers
 #include "optimizers.h"
 
 namespace ipex_train {
 
-// Per-ISA entry points: one per ITR_KERNELS entry (optimizers.h), then the split-bf16 conversions.
+// One optimizer's loops over a chunk of any layout (loops.h).
+template <class Opt>
+struct Kernels {
+  using Coef = typename Opt::template Coef<double>;
+  void (*apply)(Layout, const Chunk&, const Coef&, int variant);
+  // Two-pass optimizers only (null otherwise): the first pass, returning the chunk's two sums of squares.
+  void (*norms)(Layout, const Chunk&, const Coef&, double* a_sq, double* b_sq);
+};
+
+// Per-ISA entry points: one per optimizer of ITR_OPTIMIZERS (optimizers.h), then the split-bf16 conversions.
 struct KernelTable {
   const char* name;
-#define ITR_ENTRY(entry, params, ...) void(*entry) params;
-  ITR_KERNELS(ITR_ENTRY)
+#define ITR_ENTRY(name, args) Kernels<fused::name> name;
+  ITR_OPTIMIZERS(ITR_ENTRY)
 #undef ITR_ENTRY
   void (*split_bf16)(const float* src, uint16_t* top, int16_t* residual, int64_t n);
   void (*combine_bf16)(const uint16_t* top, const int16_t* residual, float* dst, int64_t n);
 };
+
+// The entry of optimizer Opt in table t.
+template <class Opt>
+const Kernels<Opt>& kernels_of(const KernelTable& t);
+#define ITR_ENTRY(name, args) \
+  template <>                 \
+  inline const Kernels<fused::name>& kernels_of<fused::name>(const KernelTable& t) { return t.name; }
+ITR_OPTIMIZERS(ITR_ENTRY)
+#undef ITR_ENTRY
 
 extern const KernelTable kScalarKernels;
 extern const KernelTable kAvx2Kernels;

@@ -1,5 +1,5 @@
-// The CPU loops: how each optimizer walks a chunk, over the storage layouts; the step of one element is
-// ipex_train/elementwise.h (shared with the SYCL kernels).
+// The CPU loops: how an optimizer walks a chunk, over the storage layouts, generic over the fused:: entries of the
+// update headers (optimizers.h); the step of one element is the update header's (shared with the SYCL kernels).
 //
 // Each isa_*.cpp sets its compiler target, defines ITR_ISA_NAME and ITR_TABLE (and ITR_SIMD_BYTES where it has
 // explicit vectors, simd.h), and includes this file once. The fp32-state layouts then run whole vectors through
@@ -124,100 +124,57 @@ class SquareSums {
 template <Layout L>
 using RealOf = typename ScalarAccess<L>::Real;
 
-template <Layout L>
-struct SgdLoop {
-  template <bool MOMENTUM, bool NESTEROV>
-  static void go(const Chunk& c, const updates::SgdCoef<double>& cd) {
-    const auto s = state_of<RealOf<L>>(c);
-    each<L>(c, [&](const auto& st, int64_t i, const auto& k) { element::sgd<MOMENTUM, NESTEROV>(st, s, i, k); }, cd);
+// Optimizer Opt's loops (the fused:: entry of its update header, optimizers.h): apply<V> on every element, and for
+// two-pass optimizers norms() with its two sums of squares.
+template <class Opt>
+struct Loops {
+  using Coef = typename Opt::template Coef<double>;
+
+  template <Layout L>
+  struct Apply {
+    template <int V>
+    static void go(const Chunk& c, const Coef& cd) {
+      const auto s = state_of<RealOf<L>>(c);
+      each<L>(c, [&](const auto& st, int64_t i, const auto& k) { Opt::template apply<V>(st, s, i, k); }, cd);
+    }
+    // Runs go<variant>: one loop per apply<V> instantiation.
+    template <int V = 0>
+    static void run(const Chunk& c, const Coef& cd, int variant) {
+      if constexpr (V + 1 < Opt::kVariants) {
+        if (variant != V) return run<V + 1>(c, cd, variant);
+      }
+      go<V>(c, cd);
+    }
+  };
+
+  template <Layout L>
+  struct Norms {
+    static void run(const Chunk& c, const Coef& cd, double* a_sq, double* b_sq) {
+      const auto s = state_of<RealOf<L>>(c);
+      SquareSums sa, sb;
+      each<L>(
+          c,
+          [&](const auto& st, int64_t i, const auto& k) {
+            typename StorageOf<decltype(st)>::T a, b;
+            Opt::norms(st, s, i, k, a, b);
+            sa.add(i, a);
+            sb.add(i, b);
+          },
+          cd);
+      *a_sq = sa.total();
+      *b_sq = sb.total();
+    }
+  };
+
+  static void apply(Layout l, const Chunk& c, const Coef& k, int variant) { by_layout<Apply>(l, c, k, variant); }
+  static void norms(Layout l, const Chunk& c, const Coef& k, double* a_sq, double* b_sq) {
+    by_layout<Norms>(l, c, k, a_sq, b_sq);
   }
-  static void run(const Chunk& c, const updates::SgdCoef<double>& cd, bool momentum, bool nesterov) {
-    if (!momentum) return go<false, false>(c, cd);
-    return nesterov ? go<true, true>(c, cd) : go<true, false>(c, cd);
+  static constexpr Kernels<Opt> entry() {
+    if constexpr (Opt::kTwoPass) return {apply, norms};
+    else return {apply, nullptr};
   }
 };
-
-template <Layout L>
-struct AdamLoop {
-  template <bool AMSGRAD>
-  static void go(const Chunk& c, const updates::AdamCoef<double>& cd) {
-    const auto s = state_of<RealOf<L>>(c);
-    each<L>(c, [&](const auto& st, int64_t i, const auto& k) { element::adam<AMSGRAD>(st, s, i, k); }, cd);
-  }
-  static void run(const Chunk& c, const updates::AdamCoef<double>& cd, bool amsgrad) {
-    return amsgrad ? go<true>(c, cd) : go<false>(c, cd);
-  }
-};
-
-template <Layout L>
-struct AdagradLoop {
-  static void run(const Chunk& c, const updates::AdagradCoef<double>& cd) {
-    const auto s = state_of<RealOf<L>>(c);
-    each<L>(c, [&](const auto& st, int64_t i, const auto& k) { element::adagrad(st, s, i, k); }, cd);
-  }
-};
-
-template <Layout L>
-struct LambMomentsLoop {
-  static void run(const Chunk& c, const updates::LambCoef<double>& cd, double* w_sq, double* u_sq) {
-    const auto s = state_of<RealOf<L>>(c);
-    SquareSums sw, su;
-    each<L>(
-        c,
-        [&](const auto& st, int64_t i, const auto& k) {
-          typename StorageOf<decltype(st)>::T w, u;
-          element::lamb_moments(st, s, i, k, w, u);
-          sw.add(i, w);
-          su.add(i, u);
-        },
-        cd);
-    *w_sq = sw.total();
-    *u_sq = su.total();
-  }
-};
-
-template <Layout L>
-struct LambApplyLoop {
-  static void run(const Chunk& c, const updates::LambCoef<double>& cd) {
-    const auto s = state_of<RealOf<L>>(c);
-    each<L>(c, [&](const auto& st, int64_t i, const auto& k) { element::lamb_apply(st, s, i, k); }, cd);
-  }
-};
-
-template <Layout L>
-struct LarsNormsLoop {
-  static void run(const Chunk& c, double* w_sq, double* g_sq) {
-    SquareSums sw, sg;
-    each<L>(c, [&](const auto& st, int64_t i) {
-      sw.add(i, st.load(i));
-      sg.add(i, st.grad(i));
-    });
-    *w_sq = sw.total();
-    *g_sq = sg.total();
-  }
-};
-
-template <Layout L>
-struct LarsApplyLoop {
-  static void run(const Chunk& c, const updates::LarsCoef<double>& cd) {
-    const auto s = state_of<RealOf<L>>(c);
-    each<L>(c, [&](const auto& st, int64_t i, const auto& k) { element::lars_apply(st, s, i, k); }, cd);
-  }
-};
-
-void sgd(Layout l, const Chunk& c, const updates::SgdCoef<double>& k, bool momentum, bool nesterov) {
-  by_layout<SgdLoop>(l, c, k, momentum, nesterov);
-}
-void adam(Layout l, const Chunk& c, const updates::AdamCoef<double>& k, bool amsgrad) {
-  by_layout<AdamLoop>(l, c, k, amsgrad);
-}
-void adagrad(Layout l, const Chunk& c, const updates::AdagradCoef<double>& k) { by_layout<AdagradLoop>(l, c, k); }
-void lamb_moments(Layout l, const Chunk& c, const updates::LambCoef<double>& k, double* w_sq, double* u_sq) {
-  by_layout<LambMomentsLoop>(l, c, k, w_sq, u_sq);
-}
-void lamb_apply(Layout l, const Chunk& c, const updates::LambCoef<double>& k) { by_layout<LambApplyLoop>(l, c, k); }
-void lars_norms(Layout l, const Chunk& c, double* w_sq, double* g_sq) { by_layout<LarsNormsLoop>(l, c, w_sq, g_sq); }
-void lars_apply(Layout l, const Chunk& c, const updates::LarsCoef<double>& k) { by_layout<LarsApplyLoop>(l, c, k); }
 
 // Split and combine are the split-bf16 layout's store and load, run over a chunk whose param/aux are top/residual.
 void split_bf16(const float* src, uint16_t* top, int16_t* residual, int64_t n) {
@@ -232,8 +189,8 @@ void combine_bf16(const uint16_t* top, const int16_t* residual, float* dst, int6
 
 }  // namespace
 
-#define ITR_ENTRY(entry, ...) entry,
-extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_KERNELS(ITR_ENTRY) split_bf16, combine_bf16};
+#define ITR_ENTRY(name, args) Loops<fused::name>::entry(),
+extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_OPTIMIZERS(ITR_ENTRY) split_bf16, combine_bf16};
 #undef ITR_ENTRY
 
 }  // namespace ipex_train

@@ -1,119 +1,81 @@
-// The step ops of kernels_cpu and their registration: each op checks its group (checks.h), computes the
-// per-parameter coefficients with its update header, and runs the kernel variant's loops over the group's chunks
-// (schedule.h). The per-element math is in include/ipex_train/updates/*.h and the loops in loops.h; this file
-// never touches an element. Which ops exist, and their schemas, is optimizers.h's list.
+// The step ops of kernels_cpu and their registration: one generic op checks its group (checks.h), computes the
+// per-parameter coefficients with the optimizer's update header, and runs the kernel variant's loops over the
+// group's chunks (schedule.h). The per-element math is in include/ipex_train/updates/*.h and the loops in loops.h;
+// this file never touches an element. Which ops exist, and their schemas, is optimizers.h's list.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "checks.h"
 #include "optimizers.h"
 #include "schedule.h"
+#include "step_args.h"
 #include "variants.h"
 
 namespace ipex_train {
 namespace {
 
-void sgd_step(at::TensorList params, const c10::List<std::optional<at::Tensor>>& aux, at::TensorList grads,
-              at::TensorList momentum_buffers, c10::List<bool> fresh_buffers, double lr, double momentum,
-              double dampening, double weight_decay, bool nesterov, bool maximize) {
-  const char* op = "ipex_train::sgd_step";
-  const bool use_momentum = momentum != 0;
-  TORCH_CHECK_VALUE(!nesterov || (use_momentum && dampening == 0), op,
-                    ": nesterov needs momentum > 0 and dampening == 0");
-  std::vector<StateArg> states;
-  if (use_momentum) {
-    states.push_back({"momentum_buffers", momentum_buffers});
-    TORCH_CHECK_VALUE(fresh_buffers.size() == params.size(), op, ": got ", params.size(), " params but ",
-                      fresh_buffers.size(), " fresh_buffers flags");
-  }
-  auto slots = prepare(op, params, aux, grads, states, kStreamMin);
-  std::vector<updates::SgdCoef<double>> coef(slots.size());
-  for (size_t i = 0; i < slots.size(); ++i) {
-    const bool fresh = use_momentum && fresh_buffers.get(i);
-    coef[i] = updates::sgd_coef(lr, momentum, dampening, weight_decay, maximize, fresh);
-  }
-  int64_t total;
-  const auto jobs = jobs_of(slots, &total);
-  const KernelTable& k = kernels();
-  for_each_chunk(slots, jobs, total, [&](int64_t i, const Chunk& c, int64_t) {
-    k.sgd(slots[i].layout, c, coef[i], use_momentum, nesterov);
+// The op ipex_train::<name>_step of optimizer Opt (a fused:: entry, optimizers.h), boxed: its arguments are read
+// from the stack in schema order (params, aux, grads, the Opt::kStates state lists, fresh_buffers, state_steps, the
+// scalars), so one function serves every optimizer's schema.
+template <class Opt>
+void step(const c10::OperatorHandle& handle, torch::jit::Stack* stack) {
+  using Coef = typename Opt::template Coef<double>;
+  const auto& schema = handle.schema();
+  const char* op = schema.name().c_str();
+  const size_t n_args = schema.arguments().size();
+  const auto args = torch::jit::last(*stack, n_args);
+  const std::vector<at::Tensor> params = args[0].toTensorVector();
+  const auto aux = args[1].to<c10::List<std::optional<at::Tensor>>>();
+  const std::vector<at::Tensor> grads = args[2].toTensorVector();
+  size_t k = 3;
+  std::vector<at::Tensor> lists[Opt::kStates];
+  for (auto& l : lists) l = args[k++].toTensorVector();
+  c10::List<bool> fresh;
+  std::vector<at::Tensor> steps;
+  if constexpr (Opt::kFreshFlags) fresh = args[k++].toBoolList();
+  if constexpr (Opt::kCountsSteps) steps = args[k++].toTensorVector();
+  TORCH_INTERNAL_ASSERT(n_args - k == step_args::field_count<typename Opt::Args>(), op,
+                        ": the schema's scalars and the fields of its fused:: entry's Args differ");
+  const auto a = step_args::scalars<typename Opt::Args>([&](size_t j, auto type) -> decltype(type) {
+    if constexpr (std::is_same_v<decltype(type), bool>) return args[k + j].toBool();
+    else return args[k + j].toDouble();
   });
-  write_back(slots);
-}
-
-void adam_step(at::TensorList params, const c10::List<std::optional<at::Tensor>>& aux, at::TensorList grads,
-               at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-               at::TensorList state_steps, double lr, double beta1, double beta2, double weight_decay, double eps,
-               bool amsgrad, bool maximize, bool decoupled_weight_decay) {
-  const char* op = "ipex_train::adam_step";
-  std::vector<StateArg> states = {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}};
-  if (amsgrad) states.push_back({"max_exp_avg_sqs", max_exp_avg_sqs});
-  check_steps_len(op, params, state_steps);
+  const char* error = step_args::error<Opt>(a);
+  TORCH_CHECK_VALUE(error == nullptr, op, ": ", error);
+  const int n_states = step_args::states<Opt>(a);
+  std::vector<StateArg> states;
+  for (int i = 0; i < n_states; ++i) states.push_back({schema.arguments()[3 + i].name().c_str(), lists[i]});
+  if (Opt::kFreshFlags && n_states > 0)
+    TORCH_CHECK_VALUE(fresh.size() == params.size(), op, ": got ", params.size(), " params but ", fresh.size(),
+                      " fresh_buffers flags");
+  if (Opt::kCountsSteps) check_steps_len(op, params, steps);
   auto slots = prepare(op, params, aux, grads, states, kStreamMin);
-  std::vector<updates::AdamCoef<double>> coef(slots.size());
+  std::vector<Coef> coef(slots.size());
   for (size_t i = 0; i < slots.size(); ++i)
-    coef[i] = updates::adam_coef(lr, beta1, beta2, weight_decay, eps, maximize, decoupled_weight_decay,
-                                 step_of(op, state_steps, i));
-  int64_t total;
-  const auto jobs = jobs_of(slots, &total);
-  const KernelTable& k = kernels();
-  for_each_chunk(slots, jobs, total,
-                 [&](int64_t i, const Chunk& c, int64_t) { k.adam(slots[i].layout, c, coef[i], amsgrad); });
+    coef[i] = a.coef({Opt::kCountsSteps ? step_of(op, steps, i) : 0.0,
+                      Opt::kFreshFlags && n_states > 0 && fresh.get(i)});
+  const Kernels<Opt>& kernel = kernels_of<Opt>(kernels());
+  const int variant = step_args::variant<Opt>(a);
+  if constexpr (Opt::kTwoPass) {
+    two_passes(
+        slots,
+        [&](int64_t i, const Chunk& c, double* a_sq, double* b_sq) {
+          kernel.norms(slots[i].layout, c, coef[i], a_sq, b_sq);
+        },
+        [&](size_t i, double a_norm, double b_norm) { a.finish(coef[i], a_norm, b_norm); },
+        [&](int64_t i, const Chunk& c) { kernel.apply(slots[i].layout, c, coef[i], variant); });
+  } else {
+    int64_t total;
+    const auto jobs = jobs_of(slots, &total);
+    for_each_chunk(slots, jobs, total,
+                   [&](int64_t i, const Chunk& c, int64_t) { kernel.apply(slots[i].layout, c, coef[i], variant); });
+  }
   write_back(slots);
-}
-
-void adagrad_step(at::TensorList params, const c10::List<std::optional<at::Tensor>>& aux, at::TensorList grads,
-                  at::TensorList state_sums, at::TensorList state_steps, double lr, double lr_decay,
-                  double weight_decay, double eps, bool maximize) {
-  const char* op = "ipex_train::adagrad_step";
-  check_steps_len(op, params, state_steps);
-  auto slots = prepare(op, params, aux, grads, {{"state_sums", state_sums}}, kStreamMin);
-  std::vector<updates::AdagradCoef<double>> coef(slots.size());
-  for (size_t i = 0; i < slots.size(); ++i)
-    coef[i] = updates::adagrad_coef(lr, lr_decay, weight_decay, eps, maximize, step_of(op, state_steps, i));
-  int64_t total;
-  const auto jobs = jobs_of(slots, &total);
-  const KernelTable& k = kernels();
-  for_each_chunk(slots, jobs, total,
-                 [&](int64_t i, const Chunk& c, int64_t) { k.adagrad(slots[i].layout, c, coef[i]); });
-  write_back(slots);
-}
-
-void lamb_step(at::TensorList params, const c10::List<std::optional<at::Tensor>>& aux, at::TensorList grads,
-               at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList state_steps, double lr,
-               double beta1, double beta2, double weight_decay, double eps, bool bias_correction) {
-  const char* op = "ipex_train::lamb_step";
-  check_steps_len(op, params, state_steps);
-  auto slots = prepare(op, params, aux, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, kStreamMin);
-  std::vector<updates::LambCoef<double>> coef(slots.size());
-  for (size_t i = 0; i < slots.size(); ++i)
-    coef[i] = updates::lamb_coef(beta1, beta2, eps, weight_decay, bias_correction, step_of(op, state_steps, i));
-  const KernelTable& k = kernels();
-  two_passes(
-      slots,
-      [&](int64_t i, const Chunk& c, double* w_sq, double* u_sq) { k.lamb_moments(slots[i].layout, c, coef[i], w_sq, u_sq); },
-      [&](size_t i, double w_norm, double u_norm) { coef[i].lr_trust = lr * updates::lamb_trust_ratio(w_norm, u_norm); },
-      [&](int64_t i, const Chunk& c) { k.lamb_apply(slots[i].layout, c, coef[i]); });
-  write_back(slots);
-}
-
-void lars_step(at::TensorList params, const c10::List<std::optional<at::Tensor>>& aux, at::TensorList grads,
-               at::TensorList momentum_buffers, double lr, double momentum, double weight_decay, double eeta,
-               double epsilon) {
-  const char* op = "ipex_train::lars_step";
-  auto slots = prepare(op, params, aux, grads, {{"momentum_buffers", momentum_buffers}}, kStreamMin);
-  const KernelTable& k = kernels();
-  std::vector<updates::LarsCoef<double>> coef(slots.size());
-  two_passes(
-      slots, [&](int64_t i, const Chunk& c, double* w_sq, double* g_sq) { k.lars_norms(slots[i].layout, c, w_sq, g_sq); },
-      [&](size_t i, double w_norm, double g_norm) {
-        coef[i] = {momentum, weight_decay, lr * updates::lars_local_lr(w_norm, g_norm, eeta, weight_decay, epsilon)};
-      },
-      [&](int64_t i, const Chunk& c) { k.lars_apply(slots[i].layout, c, coef[i]); });
-  write_back(slots);
+  torch::jit::drop(*stack, n_args);
 }
 
 std::tuple<at::Tensor, at::Tensor> split_bf16(const at::Tensor& src_in) {
@@ -197,7 +159,8 @@ TORCH_LIBRARY(ipex_train, m) {
 }
 
 TORCH_LIBRARY_IMPL(ipex_train, CPU, m) {
-#define ITR_IMPL(name, args) m.impl(#name "_step", &ipex_train::name##_step);
+#define ITR_IMPL(name, args) \
+  m.impl(#name "_step", torch::CppFunction::makeFromBoxedFunction<&ipex_train::step<ipex_train::fused::name>>());
   ITR_OPTIMIZERS(ITR_IMPL)
 #undef ITR_IMPL
   m.impl("split_bf16", &ipex_train::split_bf16);

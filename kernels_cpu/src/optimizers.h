@@ -3,12 +3,19 @@
 //
 // ITR_OPTIMIZERS(X): X(name, arguments) for each op ipex_train::<name>_step. `arguments` is the schema after the
 // three arguments every step op starts with (params, aux, grads): the state lists, then fresh_buffers (SGD),
-// state_steps (optimizers that count steps), then the scalars. ops.cpp registers each op, its CPU kernel
-// <name>_step and its sparse refusal from this list; the SYCL host glue binds Runtime::<name>.
-//
-// ITR_KERNELS(X): X(entry, parameters, template flags...) for each entry of the per-ISA KernelTable (kernel_abi.h,
-// filled by loops.h from functions of the same names) and each SYCL kernel template of kernels_xpu/rtc/steps.cpp;
-// the flags are the suffixes of the instantiations after the layout (one ">" when the kernel has no flags).
+// state_steps (optimizers that count steps), then the scalars. Everything else is generated from this list and the
+// struct fused::<name> its update header (include/ipex_train/updates/<name>.h) declares:
+//   its base         Step<coefficient struct, number of state lists, what it takes per parameter (nothing,
+//                    fresh_buffers or state_steps), one pass or two (a first pass, norms(), returning two sums of
+//                    squares per tensor: Lamb, Lars), number of apply<V> variants (compile-time flags: amsgrad)>
+//   Args             the scalars of `arguments` as fields, in order, with coef(ParamStep) (the coefficients, in
+//                    double), with two passes finish(coef, norm_a, norm_b) (the coefficients once the tensor's
+//                    norms are known), and where needed error() (a message, or null), states() (how many state
+//                    lists this call uses) and variant()
+//   apply<V>(st, s, i, k), and norms(st, s, i, k, a, b) with two passes: one element's (or one CPU vector's) step;
+//                    st is its storage layout (ipex_train/elementwise.h), s the chunk's state arrays
+// From them: the per-ISA KernelTable (kernel_abi.h) and its loops (loops.h), the op, its registration and its
+// sparse refusal (ops.cpp), the SYCL kernels (kernels_xpu/rtc/steps.cpp) and Runtime::<name> (kernels_xpu/host).
 #pragma once
 
 #define ITR_OPTIMIZERS(X)                                                                                         \
@@ -26,14 +33,3 @@
     "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor[] state_steps, float lr, float beta1, float beta2, " \
     "float weight_decay, float eps, bool bias_correction")                                                        \
   X(lars, "Tensor(c!)[] momentum_buffers, float lr, float momentum, float weight_decay, float eeta, float epsilon")
-
-// Lamb and Lars run two passes: the first returns sums of squares for the trust ratio.
-#define ITR_KERNELS(X)                                                                                            \
-  X(sgd, (Layout, const Chunk&, const updates::SgdCoef<double>&, bool momentum, bool nesterov),                   \
-    ", false, false>", ", true, false>", ", true, true>")                                                         \
-  X(adam, (Layout, const Chunk&, const updates::AdamCoef<double>&, bool amsgrad), ", false>", ", true>")         \
-  X(adagrad, (Layout, const Chunk&, const updates::AdagradCoef<double>&), ">")                                    \
-  X(lamb_moments, (Layout, const Chunk&, const updates::LambCoef<double>&, double* w_sq, double* u_sq), ">")     \
-  X(lamb_apply, (Layout, const Chunk&, const updates::LambCoef<double>&), ">")                                    \
-  X(lars_norms, (Layout, const Chunk&, double* w_sq, double* g_sq), ">")                                          \
-  X(lars_apply, (Layout, const Chunk&, const updates::LarsCoef<double>&), ">")

@@ -6,7 +6,7 @@
 // context, computes the per-parameter coefficients with the same header functions kernels_cpu uses, and launches
 // one kernel per parameter. Argument checks on dtypes and shapes are done in Python (ipex_train/xpu/_steps.py)
 // before anything reaches this file. The step methods are bound, and their kernels named, from the lists in
-// kernels_cpu/src/optimizers.h.
+// kernels_cpu/src/optimizers.h and the fused:: entries of the update headers.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -25,6 +25,7 @@
 
 #include "dpctl4pybind11.hpp"
 #include "kernel_abi.h"
+#include "step_args.h"
 
 namespace py = pybind11;
 namespace syclex = sycl::ext::oneapi::experimental;
@@ -115,93 +116,48 @@ class Runtime {
 
   std::string device_name() const { return q_.get_device().get_info<sycl::info::device::name>(); }
 
-  void sgd(const std::vector<SlotArg>& args, const std::vector<bool>& fresh, double lr, double momentum,
-           double dampening, double weight_decay, bool nesterov, bool maximize) {
-    const char* op = "ipex_train.xpu sgd_step";
-    const bool use_momentum = momentum != 0;
-    auto slots = prepare(op, args, use_momentum ? std::vector<const char*>{"momentum_buffers"}
-                                                : std::vector<const char*>{});
-    if (use_momentum && fresh.size() != slots.size())
-      throw py::value_error(std::string(op) + ": got " + std::to_string(slots.size()) + " params but " +
+  // The step of optimizer Opt (a fused:: entry, optimizers.h) named `name`: `rest` holds, as ipex_train.xpu passes
+  // them, the fresh_buffers flags (kFreshFlags), the step counts (kCountsSteps), then the scalars of the op's schema.
+  template <class Opt>
+  void step(const std::string& name, const std::string& schema, const std::vector<SlotArg>& args,
+            const py::args& rest) {
+    using Coef = typename Opt::template Coef<double>;
+    const std::string op = "ipex_train.xpu " + name + "_step";
+    size_t k = 0;
+    std::vector<bool> fresh;
+    std::vector<double> steps;
+    if constexpr (Opt::kFreshFlags) fresh = rest[k++].cast<std::vector<bool>>();
+    if constexpr (Opt::kCountsSteps) steps = rest[k++].cast<std::vector<double>>();
+    if (rest.size() - k != step_args::field_count<typename Opt::Args>())
+      throw py::type_error(op + ": expected " + std::to_string(k + step_args::field_count<typename Opt::Args>()) +
+                           " arguments after the slots, got " + std::to_string(rest.size()));
+    const auto a = step_args::scalars<typename Opt::Args>(
+        [&](size_t j, auto type) { return rest[k + j].template cast<decltype(type)>(); });
+    if (const char* error = step_args::error<Opt>(a)) throw py::value_error(op + ": " + error);
+    const int n_states = step_args::states<Opt>(a);
+    const std::vector<std::string> names = step_args::state_names(schema);
+    auto slots = prepare(op.c_str(), args, std::vector<std::string>(names.begin(), names.begin() + n_states));
+    if (Opt::kFreshFlags && n_states > 0 && fresh.size() != slots.size())
+      throw py::value_error(op + ": got " + std::to_string(slots.size()) + " params but " +
                             std::to_string(fresh.size()) + " fresh_buffers flags");
+    if (Opt::kCountsSteps) check_steps(op.c_str(), slots, steps);
     py::gil_scoped_release nogil;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      const bool f = use_momentum && fresh[i];
-      const auto c = updates::sgd_coef(lr, momentum, dampening, weight_decay, maximize, f);
-      const std::string name = "itx::sgd<" + layout_arg(slots[i]) + (use_momentum ? ", true" : ", false") +
-                               (nesterov ? ", true>" : ", false>");
-      launch_coef(slots[i], name, c);
-    }
-    q_.wait_and_throw();
-  }
-
-  void adam(const std::vector<SlotArg>& args, const std::vector<double>& steps, double lr, double beta1,
-            double beta2, double weight_decay, double eps, bool amsgrad, bool maximize, bool decoupled) {
-    const char* op = "ipex_train.xpu adam_step";
-    std::vector<const char*> states = {"exp_avgs", "exp_avg_sqs"};
-    if (amsgrad) states.push_back("max_exp_avg_sqs");
-    auto slots = prepare(op, args, states);
-    check_steps(op, slots, steps);
-    py::gil_scoped_release nogil;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      const auto c = updates::adam_coef(lr, beta1, beta2, weight_decay, eps, maximize, decoupled, steps[i]);
-      launch_coef(slots[i], "itx::adam<" + layout_arg(slots[i]) + (amsgrad ? ", true>" : ", false>"), c);
-    }
-    q_.wait_and_throw();
-  }
-
-  void adagrad(const std::vector<SlotArg>& args, const std::vector<double>& steps, double lr, double lr_decay,
-               double weight_decay, double eps, bool maximize) {
-    const char* op = "ipex_train.xpu adagrad_step";
-    auto slots = prepare(op, args, {"state_sums"});
-    check_steps(op, slots, steps);
-    py::gil_scoped_release nogil;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      const auto c = updates::adagrad_coef(lr, lr_decay, weight_decay, eps, maximize, steps[i]);
-      launch_coef(slots[i], "itx::adagrad<" + layout_arg(slots[i]) + ">", c);
-    }
-    q_.wait_and_throw();
-  }
-
-  void lamb(const std::vector<SlotArg>& args, const std::vector<double>& steps, double lr, double beta1,
-            double beta2, double weight_decay, double eps, bool bias_correction) {
-    const char* op = "ipex_train.xpu lamb_step";
-    auto slots = prepare(op, args, {"exp_avgs", "exp_avg_sqs"});
-    check_steps(op, slots, steps);
-    py::gil_scoped_release nogil;
-    std::vector<updates::LambCoef<double>> coef(slots.size());
+    std::vector<Coef> coef(slots.size());
     for (size_t i = 0; i < slots.size(); ++i)
-      coef[i] = updates::lamb_coef(beta1, beta2, eps, weight_decay, bias_correction, steps[i]);
-    const auto norms = two_pass_norms(slots, "itx::lamb_moments<", [&](size_t i, const sycl::kernel& k, void* part) {
-      if (is_f64(slots[i].layout))
-        launch(k, slots[i].chunk.n, slots[i].chunk, coef[i], static_cast<double*>(part));
-      else
-        launch(k, slots[i].chunk.n, slots[i].chunk, updates::cast<float>(coef[i]), static_cast<float*>(part));
-    });
-    for (size_t i = 0; i < slots.size(); ++i) {
-      coef[i].lr_trust = lr * updates::lamb_trust_ratio(norms[i].first, norms[i].second);
-      launch_coef(slots[i], "itx::lamb_apply<" + layout_arg(slots[i]) + ">", coef[i]);
+      coef[i] = a.coef({Opt::kCountsSteps ? steps[i] : 0.0, Opt::kFreshFlags && n_states > 0 && fresh[i]});
+    if constexpr (Opt::kTwoPass) {
+      const std::string first = "itx::" + name + "_norms<";
+      const auto norms = two_pass_norms(slots, first, [&](size_t i, const sycl::kernel& kn, void* part) {
+        if (is_f64(slots[i].layout))
+          launch(kn, slots[i].chunk.n, slots[i].chunk, coef[i], static_cast<double*>(part));
+        else
+          launch(kn, slots[i].chunk.n, slots[i].chunk, updates::cast<float>(coef[i]), static_cast<float*>(part));
+      });
+      for (size_t i = 0; i < slots.size(); ++i) a.finish(coef[i], norms[i].first, norms[i].second);
     }
-    q_.wait_and_throw();
-  }
-
-  void lars(const std::vector<SlotArg>& args, double lr, double momentum, double weight_decay, double eeta,
-            double epsilon) {
-    const char* op = "ipex_train.xpu lars_step";
-    auto slots = prepare(op, args, {"momentum_buffers"});
-    py::gil_scoped_release nogil;
-    const auto norms = two_pass_norms(slots, "itx::lars_norms<", [&](size_t i, const sycl::kernel& k, void* part) {
-      if (is_f64(slots[i].layout))
-        launch(k, slots[i].chunk.n, slots[i].chunk, static_cast<double*>(part));
-      else
-        launch(k, slots[i].chunk.n, slots[i].chunk, static_cast<float*>(part));
-    });
-    for (size_t i = 0; i < slots.size(); ++i) {
-      const updates::LarsCoef<double> c = {
-          momentum, weight_decay,
-          lr * updates::lars_local_lr(norms[i].first, norms[i].second, eeta, weight_decay, epsilon)};
-      launch_coef(slots[i], "itx::lars_apply<" + layout_arg(slots[i]) + ">", c);
-    }
+    const std::string variant = ", " + std::to_string(step_args::variant<Opt>(a)) + ">";
+    for (size_t i = 0; i < slots.size(); ++i)
+      launch_coef(slots[i], "itx::" + name + "<" + layout_arg(slots[i]) + variant, coef[i]);
     q_.wait_and_throw();
   }
 
@@ -244,7 +200,7 @@ class Runtime {
   }
 
   std::vector<Slot> prepare(const char* op, const std::vector<SlotArg>& args,
-                            const std::vector<const char*>& state_names) const {
+                            const std::vector<std::string>& state_names) const {
     if (released_) throw std::runtime_error(std::string(op) + ": this SYCL runtime was released");
     const bool has_fp64 = q_.get_device().has(sycl::aspect::fp64);
     std::vector<Slot> slots(args.size());
@@ -266,7 +222,7 @@ class Runtime {
       check_usm(op, grad, es.grad * size_t(n), where("grads", i));
       const uintptr_t st[3] = {s0, s1, s2};
       for (size_t k = 0; k < state_names.size(); ++k)
-        check_usm(op, st[k], es.state * size_t(n), where(state_names[k], i));
+        check_usm(op, st[k], es.state * size_t(n), where(state_names[k].c_str(), i));
     }
     return slots;
   }
@@ -302,9 +258,11 @@ class Runtime {
                                                             int(Layout::kBF16Master), int(Layout::kF16Master)};
     for (int l : layouts) {
       const std::string a = std::to_string(l);
-#define ITX_NAMES(entry, params, ...) \
-  for (const char* flags : {__VA_ARGS__}) names.push_back("itx::" #entry "<" + a + flags);
-      ITR_KERNELS(ITX_NAMES)
+#define ITX_NAMES(name, args)                                                                 \
+  for (int v = 0; v < fused::name::kVariants; ++v)                                            \
+    names.push_back("itx::" #name "<" + a + ", " + std::to_string(v) + ">");                  \
+  if (fused::name::kTwoPass) names.push_back("itx::" #name "_norms<" + a + ">");
+      ITR_OPTIMIZERS(ITX_NAMES)
 #undef ITX_NAMES
     }
     if (!f64) {
@@ -363,8 +321,8 @@ class Runtime {
       launch(k, s.chunk.n, s.chunk, updates::cast<float>(c));
   }
 
-  // First pass of Lamb or Lars: run(i, kernel, partial) launches kernel `prefix<layout>` for slot i, which writes
-  // two sums of squares per work-group into partial. Returns per slot the two norms, the partials added in double
+  // First pass of a two-pass optimizer: run(i, kernel, partial) launches kernel `prefix<layout>` for slot i, which
+  // writes two sums of squares per work-group into partial. Returns per slot the two norms, the partials added in double
   // in work-group order (deterministic for a given device and size).
   template <class Run>
   std::vector<std::pair<double, double>> two_pass_norms(const std::vector<Slot>& slots, const std::string& prefix,
@@ -452,7 +410,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("device_name", &Runtime::device_name)
       .def("split_bf16", &Runtime::split_bf16)
       .def("combine_bf16", &Runtime::combine_bf16);
-#define ITX_BIND(name, args) runtime.def(#name, &Runtime::name);
+#define ITX_BIND(name, schema)                                                                           \
+  runtime.def(#name, [](Runtime& r, const std::vector<ipex_train::xpu::SlotArg>& slots, const py::args& rest) { \
+    r.step<ipex_train::fused::name>(#name, schema, slots, rest);                                              \
+  });
   ITR_OPTIMIZERS(ITX_BIND)
 #undef ITX_BIND
 }

@@ -4,7 +4,7 @@
 // The per-element math is not here: it is kernels_cpu's headers (ipex_train/elementwise.h with the storage layouts
 // and the step of one element, updates/*.h, convert.h), handed to the compiler as include_files, so the CPU loops
 // and these kernels run the same code. What this file adds is the device side of kernels_cpu/src/loops.h: one
-// element per work-item, and work-group sums of squares for the Lamb and Lars trust ratios.
+// element per work-item, and work-group sums of squares for the two-pass optimizers (Lamb, Lars).
 //
 // The host prepends `#define ITX_REAL float` (every layout but float64) or `double` (float64, only on devices with
 // fp64). It cannot be a template parameter: a free-function kernel taking a struct whose type depends on a
@@ -50,55 +50,31 @@ static inline void group_sums(real a, real b, real* partial) {
   }
 }
 
-template <int L, bool MOMENTUM, bool NESTEROV>
-ITX_KERNEL void sgd(Chunk c, updates::SgdCoef<real> k) {
-  const size_t i = global_id();
-  if (i < size_t(c.n)) element::sgd<MOMENTUM, NESTEROV>(storage_of<L>(c), state_of<real>(c), i, k);
+// Opt::norms, named through Opt so that only the first-pass kernels of two-pass optimizers (the ones instantiated)
+// need it.
+template <class Opt, int L>
+static inline void norms(const Chunk& c, size_t i, const typename Opt::template Coef<real>& k, real& a, real& b) {
+  Opt::norms(storage_of<L>(c), state_of<real>(c), i, k, a, b);
 }
 
-template <int L, bool AMSGRAD>
-ITX_KERNEL void adam(Chunk c, updates::AdamCoef<real> k) {
-  const size_t i = global_id();
-  if (i < size_t(c.n)) element::adam<AMSGRAD>(storage_of<L>(c), state_of<real>(c), i, k);
-}
-
-template <int L>
-ITX_KERNEL void adagrad(Chunk c, updates::AdagradCoef<real> k) {
-  const size_t i = global_id();
-  if (i < size_t(c.n)) element::adagrad(storage_of<L>(c), state_of<real>(c), i, k);
-}
-
-template <int L>
-ITX_KERNEL void lamb_moments(Chunk c, updates::LambCoef<real> k, real* partial) {
-  const size_t i = global_id();
-  real w = 0, u = 0;
-  if (i < size_t(c.n)) element::lamb_moments(storage_of<L>(c), state_of<real>(c), i, k, w, u);
-  group_sums(w * w, u * u, partial);
-}
-
-template <int L>
-ITX_KERNEL void lamb_apply(Chunk c, updates::LambCoef<real> k) {
-  const size_t i = global_id();
-  if (i < size_t(c.n)) element::lamb_apply(storage_of<L>(c), state_of<real>(c), i, k);
-}
-
-template <int L>
-ITX_KERNEL void lars_norms(Chunk c, real* partial) {
-  const size_t i = global_id();
-  real w = 0, g = 0;
-  if (i < size_t(c.n)) {
-    const auto st = storage_of<L>(c);
-    w = st.load(i);
-    g = st.grad(i);
+// Per optimizer of ITR_OPTIMIZERS (optimizers.h): itx::<name><layout, variant>, apply<variant> on one element per
+// work-item, and itx::<name>_norms<layout>, the first pass of two-pass optimizers (instantiated only for those: the
+// host registers the names it uses). The coefficient type is spelled out, not a template parameter (see above).
+#define ITX_STEP(name, args)                                                                     \
+  template <int L, int V>                                                                        \
+  ITX_KERNEL void name(Chunk c, fused::name::Coef<real> k) {                                     \
+    const size_t i = global_id();                                                                \
+    if (i < size_t(c.n)) fused::name::apply<V>(storage_of<L>(c), state_of<real>(c), i, k);      \
+  }                                                                                              \
+  template <int L>                                                                               \
+  ITX_KERNEL void name##_norms(Chunk c, fused::name::Coef<real> k, real* partial) {              \
+    const size_t i = global_id();                                                                \
+    real a = 0, b = 0;                                                                           \
+    if (i < size_t(c.n)) norms<fused::name, L>(c, i, k, a, b);                                   \
+    group_sums(a * a, b * b, partial);                                                           \
   }
-  group_sums(w * w, g * g, partial);
-}
-
-template <int L>
-ITX_KERNEL void lars_apply(Chunk c, updates::LarsCoef<real> k) {
-  const size_t i = global_id();
-  if (i < size_t(c.n)) element::lars_apply(storage_of<L>(c), state_of<real>(c), i, k);
-}
+ITR_OPTIMIZERS(ITX_STEP)
+#undef ITX_STEP
 
 ITX_KERNEL void split_bf16(const float* src, uint16_t* top, int16_t* residual, uint64_t n) {
   const size_t i = global_id();

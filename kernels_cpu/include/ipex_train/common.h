@@ -71,6 +71,34 @@ struct State {
   R* s2;
 };
 
+namespace fused {
+
+// What a fused step's op takes per parameter after its state lists (kernels_cpu/src/optimizers.h).
+enum class PerParam { kNothing, kFreshFlags, kStateSteps };
+enum class Passes { kOne, kTwo };  // kTwo: a first pass, norms(), yields two sums of squares per tensor
+
+// The base of each fused:: entry: its coefficient type C<T>, number of state lists, what it takes per parameter,
+// its passes and its number of apply<V> variants.
+template <template <class> class C, int STATES, PerParam PER_PARAM, Passes PASSES, int VARIANTS = 1>
+struct Step {
+  template <class T>
+  using Coef = C<T>;
+  static constexpr int kStates = STATES;
+  static constexpr bool kFreshFlags = PER_PARAM == PerParam::kFreshFlags;
+  static constexpr bool kCountsSteps = PER_PARAM == PerParam::kStateSteps;
+  static constexpr bool kTwoPass = PASSES == Passes::kTwo;
+  static constexpr int kVariants = VARIANTS;
+};
+
+}  // namespace fused
+
+// What the host knows of one parameter when it computes its coefficients: its (already incremented) step count,
+// for optimizers that count steps, and whether its state was just created (SGD's momentum buffer).
+struct ParamStep {
+  double step;
+  bool fresh;
+};
+
 namespace element {
 
 // The step of element i of an optimizer whose state is one tensor: update(w, g, x) on the element's working value

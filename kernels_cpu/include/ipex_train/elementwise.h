@@ -1,4 +1,4 @@
-// The storage layouts, and with updates/*.h (one per optimizer: its math and element::<name>, the step of one
+// The storage layouts, and with updates/*.h (one per optimizer: its math and fused::<name>, the step of one
 // element or of one CPU vector of elements) everything the CPU loops (kernels_cpu/src/loops.h) and the SYCL kernels
 // (kernels_xpu/rtc/steps.cpp) share; they differ only in how they walk the elements and in the access
 // (storage::Scalar, or kernels_cpu/src/simd.h's vectors) they read with.

@@ -37,16 +37,24 @@ ITR_FN void adagrad(T& w, T g, T& sum, const AdagradCoef<T>& c) {
 
 }  // namespace updates
 
-// One element's (or one CPU vector's) step: S is a storage layout (ipex_train/elementwise.h), S::T its working type,
-// s the chunk's state arrays; i indexes the chunk.
-namespace element {
+// The fused step ipex_train::adagrad_step (kernels_cpu/src/optimizers.h says what a fused:: entry declares).
+namespace fused {
 
-template <class S>
-ITR_FN void adagrad(const S& st, const State<typename S::Real>& s, int64_t i,
-                    const updates::AdagradCoef<typename S::T>& k) {
-  using T = typename S::T;
-  with_one_state(st, s, i, [&](T& w, T g, T& sum) { updates::adagrad<T>(w, g, sum, k); });
-}
+struct adagrad : Step<updates::AdagradCoef, 1, PerParam::kStateSteps, Passes::kOne> {
+  struct Args {
+    double lr, lr_decay, weight_decay, eps;
+    bool maximize;
+    Coef<double> coef(ParamStep p) const {
+      return updates::adagrad_coef(lr, lr_decay, weight_decay, eps, maximize, p.step);
+    }
+  };
 
-}  // namespace element
+  template <int V, class S>
+  ITR_FN void apply(const S& st, const State<typename S::Real>& s, int64_t i, const Coef<typename S::T>& k) {
+    using T = typename S::T;
+    element::with_one_state(st, s, i, [&](T& w, T g, T& sum) { updates::adagrad<T>(w, g, sum, k); });
+  }
+};
+
+}  // namespace fused
 }  // namespace ipex_train

@@ -62,21 +62,34 @@ ITR_FN void adam(T& w, T g, T& m, T& v, T& vmax, const AdamCoef<T>& c) {
 
 }  // namespace updates
 
-// One element's (or one CPU vector's) step: S is a storage layout (ipex_train/elementwise.h), S::T its working type,
-// s the chunk's state arrays; i indexes the chunk.
-namespace element {
+// The fused step ipex_train::adam_step (kernels_cpu/src/optimizers.h says what a fused:: entry declares).
+namespace fused {
 
-template <bool AMSGRAD, class S>
-ITR_FN void adam(const S& st, const State<typename S::Real>& s, int64_t i, const updates::AdamCoef<typename S::T>& k) {
-  using T = typename S::T;
-  T w = st.load(i);
-  T m = S::get(s.s0, i), v = S::get(s.s1, i), vmax = AMSGRAD ? S::get(s.s2, i) : T(0);
-  updates::adam<T, AMSGRAD>(w, st.grad(i), m, v, vmax, k);
-  S::put(s.s0, i, m);
-  S::put(s.s1, i, v);
-  if (AMSGRAD) S::put(s.s2, i, vmax);
-  st.store(i, w);
-}
+// Three state lists (exp_avgs, exp_avg_sqs, max_exp_avg_sqs); apply<1>: amsgrad.
+struct adam : Step<updates::AdamCoef, 3, PerParam::kStateSteps, Passes::kOne, 2> {
+  struct Args {
+    double lr, beta1, beta2, weight_decay, eps;
+    bool amsgrad, maximize, decoupled_weight_decay;
+    int states() const { return amsgrad ? 3 : 2; }
+    int variant() const { return amsgrad ? 1 : 0; }
+    Coef<double> coef(ParamStep p) const {
+      return updates::adam_coef(lr, beta1, beta2, weight_decay, eps, maximize, decoupled_weight_decay, p.step);
+    }
+  };
 
-}  // namespace element
+  template <int V, class S>
+  ITR_FN void apply(const S& st, const State<typename S::Real>& s, int64_t i, const Coef<typename S::T>& k) {
+    using T = typename S::T;
+    constexpr bool kAmsgrad = V == 1;
+    T w = st.load(i);
+    T m = S::get(s.s0, i), v = S::get(s.s1, i), vmax = kAmsgrad ? S::get(s.s2, i) : T(0);
+    updates::adam<T, kAmsgrad>(w, st.grad(i), m, v, vmax, k);
+    S::put(s.s0, i, m);
+    S::put(s.s1, i, v);
+    if (kAmsgrad) S::put(s.s2, i, vmax);
+    st.store(i, w);
+  }
+};
+
+}  // namespace fused
 }  // namespace ipex_train

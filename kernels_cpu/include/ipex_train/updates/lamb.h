@@ -65,29 +65,39 @@ ITR_FN void lamb_apply(T& w, T m, T v, const LambCoef<T>& c) {
 
 }  // namespace updates
 
-// One element's (or one CPU vector's) step: S is a storage layout (ipex_train/elementwise.h), S::T its working type,
-// s the chunk's state arrays; i indexes the chunk.
-namespace element {
+// The fused step ipex_train::lamb_step (kernels_cpu/src/optimizers.h says what a fused:: entry declares).
+namespace fused {
 
-// Lamb's first pass: updates the moments; w and u (the update direction) feed the caller's sums of squares.
-template <class S, class T = typename S::T>
-ITR_FN void lamb_moments(const S& st, const State<typename S::Real>& s, int64_t i, const updates::LambCoef<T>& k, T& w,
-                         T& u) {
-  w = st.load(i);
-  T m = S::get(s.s0, i), v = S::get(s.s1, i);
-  u = updates::lamb_moments<T>(w, st.grad(i), m, v, k);
-  S::put(s.s0, i, m);
-  S::put(s.s1, i, v);
-}
+struct lamb : Step<updates::LambCoef, 2, PerParam::kStateSteps, Passes::kTwo> {
+  struct Args {
+    double lr, beta1, beta2, weight_decay, eps;
+    bool bias_correction;
+    Coef<double> coef(ParamStep p) const {
+      return updates::lamb_coef(beta1, beta2, eps, weight_decay, bias_correction, p.step);
+    }
+    void finish(Coef<double>& c, double w_norm, double u_norm) const {
+      c.lr_trust = lr * updates::lamb_trust_ratio(w_norm, u_norm);
+    }
+  };
 
-template <class S>
-ITR_FN void lamb_apply(const S& st, const State<typename S::Real>& s, int64_t i,
-                       const updates::LambCoef<typename S::T>& k) {
-  using T = typename S::T;
-  T w = st.load(i);
-  updates::lamb_apply<T>(w, S::get(s.s0, i), S::get(s.s1, i), k);
-  st.store(i, w);
-}
+  // First pass: updates the moments; w and u (the update direction) feed the caller's sums of squares.
+  template <class S, class T = typename S::T>
+  ITR_FN void norms(const S& st, const State<typename S::Real>& s, int64_t i, const Coef<T>& k, T& w, T& u) {
+    w = st.load(i);
+    T m = S::get(s.s0, i), v = S::get(s.s1, i);
+    u = updates::lamb_moments<T>(w, st.grad(i), m, v, k);
+    S::put(s.s0, i, m);
+    S::put(s.s1, i, v);
+  }
 
-}  // namespace element
+  template <int V, class S>
+  ITR_FN void apply(const S& st, const State<typename S::Real>& s, int64_t i, const Coef<typename S::T>& k) {
+    using T = typename S::T;
+    T w = st.load(i);
+    updates::lamb_apply<T>(w, S::get(s.s0, i), S::get(s.s1, i), k);
+    st.store(i, w);
+  }
+};
+
+}  // namespace fused
 }  // namespace ipex_train

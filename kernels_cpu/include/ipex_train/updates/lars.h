@@ -35,16 +35,31 @@ ITR_FN void lars(T& w, T g, T& buf, const LarsCoef<T>& c) {
 
 }  // namespace updates
 
-// One element's (or one CPU vector's) step: S is a storage layout (ipex_train/elementwise.h), S::T its working type,
-// s the chunk's state arrays; i indexes the chunk.
-namespace element {
+// The fused step ipex_train::lars_step (kernels_cpu/src/optimizers.h says what a fused:: entry declares).
+namespace fused {
 
-template <class S>
-ITR_FN void lars_apply(const S& st, const State<typename S::Real>& s, int64_t i,
-                       const updates::LarsCoef<typename S::T>& k) {
-  using T = typename S::T;
-  with_one_state(st, s, i, [&](T& w, T g, T& buf) { updates::lars<T>(w, g, buf, k); });
-}
+struct lars : Step<updates::LarsCoef, 1, PerParam::kNothing, Passes::kTwo> {
+  struct Args {
+    double lr, momentum, weight_decay, eeta, epsilon;
+    Coef<double> coef(ParamStep) const { return {momentum, weight_decay, 0.0}; }
+    void finish(Coef<double>& c, double w_norm, double g_norm) const {
+      c.scale = lr * updates::lars_local_lr(w_norm, g_norm, eeta, weight_decay, epsilon);
+    }
+  };
 
-}  // namespace element
+  // First pass: the weight and the grad feed the caller's sums of squares.
+  template <class S, class T = typename S::T>
+  ITR_FN void norms(const S& st, const State<typename S::Real>&, int64_t i, const Coef<T>&, T& w, T& g) {
+    w = st.load(i);
+    g = st.grad(i);
+  }
+
+  template <int V, class S>
+  ITR_FN void apply(const S& st, const State<typename S::Real>& s, int64_t i, const Coef<typename S::T>& k) {
+    using T = typename S::T;
+    element::with_one_state(st, s, i, [&](T& w, T g, T& buf) { updates::lars<T>(w, g, buf, k); });
+  }
+};
+
+}  // namespace fused
 }  // namespace ipex_train

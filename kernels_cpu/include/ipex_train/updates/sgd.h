@@ -42,19 +42,35 @@ ITR_FN void sgd(T& w, T g, T& buf, const SgdCoef<T>& c) {
 
 }  // namespace updates
 
-// One element's (or one CPU vector's) step: S is a storage layout (ipex_train/elementwise.h), S::T its working type,
-// s the chunk's state arrays; i indexes the chunk.
-namespace element {
+// The fused step ipex_train::sgd_step (kernels_cpu/src/optimizers.h says what a fused:: entry declares).
+namespace fused {
 
-template <bool MOMENTUM, bool NESTEROV, class S>
-ITR_FN void sgd(const S& st, const State<typename S::Real>& s, int64_t i, const updates::SgdCoef<typename S::T>& k) {
-  using T = typename S::T;
-  T w = st.load(i);
-  T buf = MOMENTUM ? S::get(s.s0, i) : T(0);
-  updates::sgd<T, MOMENTUM, NESTEROV>(w, st.grad(i), buf, k);
-  if (MOMENTUM) S::put(s.s0, i, buf);
-  st.store(i, w);
-}
+// One state list (momentum_buffers); apply<0>: no momentum, <1>: momentum, <2>: nesterov.
+struct sgd : Step<updates::SgdCoef, 1, PerParam::kFreshFlags, Passes::kOne, 3> {
+  struct Args {
+    double lr, momentum, dampening, weight_decay;
+    bool nesterov, maximize;
+    const char* error() const {
+      return nesterov && (momentum == 0 || dampening != 0) ? "nesterov needs momentum > 0 and dampening == 0" : nullptr;
+    }
+    int states() const { return momentum != 0 ? 1 : 0; }
+    int variant() const { return momentum == 0 ? 0 : nesterov ? 2 : 1; }
+    Coef<double> coef(ParamStep p) const {
+      return updates::sgd_coef(lr, momentum, dampening, weight_decay, maximize, p.fresh);
+    }
+  };
 
-}  // namespace element
+  template <int V, class S>
+  ITR_FN void apply(const S& st, const State<typename S::Real>& s, int64_t i, const Coef<typename S::T>& k) {
+    using T = typename S::T;
+    constexpr bool kMomentum = V != 0;
+    T w = st.load(i);
+    T buf = kMomentum ? S::get(s.s0, i) : T(0);
+    updates::sgd<T, kMomentum, V == 2>(w, st.grad(i), buf, k);
+    if (kMomentum) S::put(s.s0, i, buf);
+    st.store(i, w);
+  }
+};
+
+}  // namespace fused
 }  // namespace ipex_train
