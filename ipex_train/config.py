@@ -58,6 +58,7 @@ class OptimizeConfig:
         auto_channels_last: channels-last Conv2d/Conv3d weights.
         bf16_compute: None ("auto"), "native" or "emulated" (stored lower case; "auto" is stored as None).
         sycl: run the fused step on a SYCL queue (None defers to IPEX_TRAIN_SYCL when optimize() runs).
+        step_in_backward: step each parameter inside backward and free its grad (None: off).
 
     Raises :class:`TypeError` for a value of the wrong type (a non-bool flag) and ValueError for a value that is
     not accepted, naming the field.
@@ -73,6 +74,7 @@ class OptimizeConfig:
     auto_channels_last: bool | None = None
     bf16_compute: str | None = None
     sycl: bool | None = None
+    step_in_backward: bool | None = None
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
@@ -136,7 +138,8 @@ class OptimizeConfig:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(OptimizeConfig))
 FLAGS = ("conv_bn_folding", "linear_bn_folding", "replace_dropout_with_identity", "split_master_weight_for_bf16",
-         "fuse_update_step", "auto_channels_last", "sycl")
+         "fuse_update_step", "auto_channels_last", "sycl",
+         "step_in_backward")
 
 
 def env_var(field: str) -> str:

@@ -36,6 +36,7 @@ from . import _channels_last, _summary
 from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_parameters, register_input_casts,
                               set_memory_format)
 from .config import OptimizeConfig
+from .optim import _release
 from .optim._wrapper import TrainingOptimizer, fused_kind, training_optimizer, user_class
 
 _log = logging.getLogger("ipex_train")
@@ -95,6 +96,12 @@ def _validate(model, optimizer, dtype) -> None:
         if isinstance(optimizer, TrainingOptimizer) and optimizer._ipex_masters is not masters:
             raise ValueError("optimize(): this optimizer was returned by optimize() for another model; pass the "
                              "model it was returned with, or a fresh optimizer")
+
+
+def _check_release(optimizer) -> None:
+    if optimizer is None:
+        raise ValueError("optimize(): step_in_backward=True needs an optimizer (it is a training option)")
+    _release.check_supported(user_class(optimizer))
 
 
 def _step_backend(sycl: bool | None, training: bool):
@@ -163,6 +170,7 @@ def _inference_passes(model: nn.Module, flags: Flags, sample_input) -> None:
 def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_bn_folding=None,
              linear_bn_folding=None, replace_dropout_with_identity=None, split_master_weight_for_bf16=None,
              fuse_update_step=None, auto_channels_last=None, sample_input=None, bf16_compute=None, sycl=None, *,
+             step_in_backward=None,
              config: OptimizeConfig | None = None):
     """Prepare ``model`` (and ``optimizer``) for fast CPU training, or ``model`` alone for inference.
 
@@ -200,6 +208,12 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             storage with ipex_train.xpu.usm_grads() and zero_grad(set_to_none=False) to skip that copy. Optimizers
             without a fused step run their own step on the CPU. Needs dpctl (the ``xpu`` extra). None (default)
             defers to IPEX_TRAIN_SYCL=1; False turns it off.
+        step_in_backward: training only. True: step each parameter inside backward as soon as its grad is summed
+            (the same fused kernels, one parameter at a time) and free the grad, so the model's grads never exist
+            at once; optimizer.step() then steps nothing. One backward per step: no gradient accumulation, no
+            clipping by global norm (a second backward before step(), or grads found at step(), raise
+            RuntimeError), no DistributedDataParallel. optimizer.set_step_in_backward(False) turns it off.
+            Refused (ValueError) for torch.optim.LBFGS.
         config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through sycl), instead of
             passing them one by one; a keyword argument given next to it must agree with it.
 
@@ -213,7 +227,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
     shorthand = dict(dtype=dtype, level=level, conv_bn_folding=conv_bn_folding, linear_bn_folding=linear_bn_folding,
                      replace_dropout_with_identity=replace_dropout_with_identity,
                      split_master_weight_for_bf16=split_master_weight_for_bf16, fuse_update_step=fuse_update_step,
-                     auto_channels_last=auto_channels_last, bf16_compute=bf16_compute, sycl=sycl)
+                     auto_channels_last=auto_channels_last, bf16_compute=bf16_compute, sycl=sycl,
+                     step_in_backward=step_in_backward)
     if config is None:
         config = OptimizeConfig(**shorthand)
     elif not isinstance(config, OptimizeConfig):
@@ -229,6 +244,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
 
         compute_policy.resolve(bf16_compute)  # raises for a bad value before anything changes
     backend = _step_backend(config.sycl, training=optimizer is not None)
+    if config.step_in_backward:
+        _check_release(optimizer)
 
     if optimizer is None:
         from .inference import jit
@@ -248,6 +265,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
     already = isinstance(optimizer, TrainingOptimizer)
     if already and inplace:
         _log.info("ipex_train.optimize: model and optimizer are already optimized; returned unchanged")
+        if config.step_in_backward is not None:
+            optimizer.set_step_in_backward(config.step_in_backward)
         return model, optimizer
     if not inplace and any("initial_lr" in g for g in optimizer.param_groups):
         _log.warning("ipex_train.optimize(inplace=False): an LR scheduler created on the original optimizer keeps "
@@ -282,5 +301,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         _log.info("ipex_train.optimize(sycl=True): without a fused step the optimizer steps on the CPU; the "
                   "parameters still live in USM shared memory")
     optimizer = training_optimizer(optimizer, masters, fuse, param_map, backend)
+    if config.step_in_backward:
+        optimizer.set_step_in_backward(True)
     _summary.record(model, optimizer, dtype)
     return model, optimizer

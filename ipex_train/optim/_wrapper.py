@@ -18,6 +18,10 @@ It is an instance of a subclass of the user's optimizer class, created once per 
 With ``optimize(sycl=True)`` the optimizer holds a step backend (:class:`ipex_train.xpu.SyclBackend`): the fused
 call is its ``fused_step`` (the same step on a dpctl SYCL queue), and loaded state and added parameters go where
 it places them (USM shared memory).
+
+``set_step_in_backward(True)`` (``optimize(step_in_backward=True)``) moves the step into backward: a hook per
+parameter steps it alone (same fused call, one parameter) and frees its grad; ``step()`` then steps nothing
+(:mod:`._release` says what follows).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .._master_weights import MasterWeights
-from . import _fused, _registry
+from . import _fused, _registry, _release
 from ._registry import unhooked
 
 
@@ -69,40 +73,73 @@ class TrainingOptimizer(torch.optim.Optimizer):
 
     Instance attributes beyond torch's: ``_ipex_masters`` (the model's :class:`MasterWeights`), ``_ipex_fuse``
     (use the fused kernels), ``_ipex_source`` (weak reference to the user's optimizer when it shares this one's
-    groups and state), ``_ipex_sycl`` (the step backend with optimize(sycl=True), else None: the CPU step).
+    groups and state), ``_ipex_sycl`` (the step backend with optimize(sycl=True), else None: the CPU step),
+    ``_ipex_release`` (the hooks of step_in_backward, else None).
     """
 
     _user_class: type = torch.optim.Optimizer
     _fused_kind: str | None = None
 
     def _step(self, closure=None):
-        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss.
+
+        With step_in_backward on, backward has already stepped every parameter: this runs the closure and closes
+        the step (see :mod:`._release`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
-            kind = self._fused_kind if self._ipex_fuse else None
-            aux = self._ipex_masters.aux
-            unfused = []
-            for group in self.param_groups:
-                dense = []
-                for p in group["params"]:
-                    if p.grad is not None:
-                        (unfused if kind is None or p.grad.is_sparse else dense).append(p)
-                if dense:
-                    step = _fused.fused_step if self._ipex_sycl is None else self._ipex_sycl.fused_step
-                    step(kind, group, self.state, dense, [aux.get(p) for p in dense], [p.grad for p in dense])
-            if unfused:
-                self._unfused_step(unfused)
+        if self._ipex_release is not None:
+            self._ipex_release.close_step(p for g in self.param_groups for p in g["params"])
+        else:
+            with torch.no_grad():
+                unfused = []
+                for group in self.param_groups:
+                    unfused += self._fused_part(group, [p for p in group["params"] if p.grad is not None])
+                if unfused:
+                    self._unfused_step(unfused)
         source = self._ipex_source() if self._ipex_source is not None else None
         if source is not None:
             # LR schedulers created on the user's optimizer check that it was stepped.
             source._opt_called = True
         return loss
 
+    def _fused_part(self, group: dict[str, Any], params: list[Tensor]) -> list[Tensor]:
+        """One fused call for the dense ``params`` of ``group`` (all with grads); returns those it did not step
+        (sparse grads, or no fused kernel), which :meth:`_unfused_step` takes."""
+        kind = self._fused_kind if self._ipex_fuse else None
+        dense = [p for p in params if kind is not None and not p.grad.is_sparse]
+        if dense:
+            aux = self._ipex_masters.aux
+            step = _fused.fused_step if self._ipex_sycl is None else self._ipex_sycl.fused_step
+            step(kind, group, self.state, dense, [aux.get(p) for p in dense], [p.grad for p in dense])
+        return [p for p in params if kind is None or p.grad.is_sparse]
+
+    def _ipex_step_params(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """Step ``params`` of ``group`` alone (the step-in-backward hook); under no_grad."""
+        rest = self._fused_part(group, params)
+        if rest:
+            self._unfused_step(rest)
+
     step = torch.optim.Optimizer.profile_hook_step(_step)
     step.hooked = True
+
+    @property
+    def step_in_backward(self) -> bool:
+        """Whether backward steps each parameter as its grad is ready (optimize(step_in_backward=True))."""
+        return self._ipex_release is not None
+
+    def set_step_in_backward(self, enabled: bool) -> None:
+        """Turn the step inside backward on (hooks on every parameter; see :mod:`._release`) or off (hooks
+        removed: backward leaves grads and step() steps them, as torch does)."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_step_in_backward(): enabled must be True or False, got {enabled!r}")
+        if enabled and self._ipex_release is None:
+            _release.check_supported(self._user_class)
+            self._ipex_release = _release.GradientRelease(self)
+        elif not enabled and self._ipex_release is not None:
+            self._ipex_release.remove()
+            self._ipex_release = None
 
     def _unfused_step(self, params: list[Tensor]) -> None:
         """Run the user's class's step on ``params`` only, low-precision ones holding their fp32 value."""
@@ -141,6 +178,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
             self._ipex_masters.adopt(p)
         if self._ipex_sycl is not None:
             self._ipex_sycl.place_params(self._ipex_masters, params)
+        if self._ipex_release is not None:
+            self._ipex_release.add_group(self.param_groups[-1])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, keeping the optimizer state fp32 and the param group dicts the same objects."""
@@ -164,9 +203,10 @@ class TrainingOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        # A SYCL queue does not pickle, and the copy's tensors are not USM: the copy steps on the CPU.
+        # A SYCL queue does not pickle, and the copy's tensors are not USM: the copy steps on the CPU. Hooks live
+        # on the original parameters: the copy steps in step() (set_step_in_backward(True) hooks its own).
         state.update(_ipex_masters=self._ipex_masters, _ipex_fuse=self._ipex_fuse, _ipex_source=None,
-                     _ipex_sycl=None)
+                     _ipex_sycl=None, _ipex_release=None)
         return state
 
     def __reduce__(self):
@@ -228,6 +268,7 @@ def training_optimizer(optimizer: torch.optim.Optimizer, masters: MasterWeights,
     new._ipex_masters = masters
     new._ipex_fuse = fuse
     new._ipex_sycl = sycl
+    new._ipex_release = None
     for group in new.param_groups:
         for p in group["params"]:
             masters.adopt(p)
