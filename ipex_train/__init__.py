@@ -8,12 +8,13 @@ from . import _ops  # noqa: F401  (loads the kernels and registers torch.ops.ipe
 from . import optim
 from ._channels_last import disable_auto_channels_last, enable_auto_channels_last
 from ._info import info
+from ._memory import MemoryReport, memory_report
 from ._summary import OptimizeSummary, summary
 from .config import OptimizeConfig
 from .frontend import optimize
 from .inference.jit import enable_onednn_fusion, onednn_fusion_enabled
 
-__all__ = ["OptimizeConfig", "OptimizeSummary", "info", "optim", "optimize", "summary", "enable_onednn_fusion",
+__all__ = ["MemoryReport", "OptimizeConfig", "OptimizeSummary", "info", "memory_report", "optim", "optimize", "summary", "enable_onednn_fusion",
            "onednn_fusion_enabled", "enable_auto_channels_last", "disable_auto_channels_last", "quantization",
            "__version__"]
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ._master_weights import LOW_PRECISION, matmul_units, owners
+from ._memory import memory_report
 
 _log = logging.getLogger("ipex_train")
 
@@ -49,6 +50,7 @@ class OptimizeSummary:
     else None. optimizer: the user's optimizer class name (training). fused_step: the fused kernel kind ("adam",
     "sgd", ...) the optimizer steps with, or None (its own step). sycl: the fused step runs on a SYCL queue.
     onednn_fusion: inference only, whether torch's TorchScript oneDNN Graph fusion switch is on.
+    step_in_backward: training, each parameter is stepped inside backward (optimize(step_in_backward=True)).
     """
 
     mode: str
@@ -61,6 +63,7 @@ class OptimizeSummary:
     fused_step: str | None
     sycl: bool
     onednn_fusion: bool | None
+    step_in_backward: bool = False
 
     @property
     def kept_tensors(self) -> int:
@@ -90,7 +93,8 @@ class OptimizeSummary:
         parts.append(f"compute policy {self.compute_policy or 'none'}")
         if self.mode == "training":
             step = f"fused {self.fused_step} step" if self.fused_step else "own (unfused) step"
-            parts.append(f"{self.optimizer}: {step}{' on SYCL' if self.sycl else ''}")
+            parts.append(f"{self.optimizer}: {step}{' on SYCL' if self.sycl else ''}"
+                         f"{' inside backward' if self.step_in_backward else ''}")
         else:
             parts.append(f"TorchScript oneDNN fusion {'on' if self.onednn_fusion else 'off'}")
         return "; ".join(parts)
@@ -174,11 +178,15 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
         compute_policy=handle.policy if handle is not None else None,
         optimizer=user_class(optimizer).__name__ if optimizer is not None else None,
         fused_step=fused, sycl=sycl,
-        onednn_fusion=None if training else torch.jit.onednn_fusion_enabled())
+        onednn_fusion=None if training else torch.jit.onednn_fusion_enabled(),
+        step_in_backward=isinstance(optimizer, TrainingOptimizer) and optimizer.step_in_backward)
 
 
 def record(model: nn.Module, optimizer: torch.optim.Optimizer | None, dtype: torch.dtype | None) -> None:
-    """optimize()'s last step: remember the dtype asked for and log the summary line at INFO."""
+    """optimize()'s last step: remember the dtype asked for and log the summary line at INFO (and, in training,
+    the memory line of :func:`ipex_train.memory_report`)."""
     setattr(model, _ATTR, dtype if dtype in LOW_PRECISION else None)
     if _log.isEnabledFor(logging.INFO):
         _log.info("%s", summary(model, optimizer))
+        if optimizer is not None:
+            _log.info("%s", memory_report(model, optimizer))

@@ -1,0 +1,120 @@
+"""Memory accounting of a training configuration: :func:`memory_report`, the bytes each parameter costs.
+
+Four parts per parameter: the weight as stored (fp32, or the bf16/fp16 top), its fp32 truth (the int16 residual of
+a split bf16 weight or an fp32 master copy), its grad (in the weight's dtype, while the model's grads are alive
+between backward and step; none with step_in_backward) and the optimizer state. Everything that exists is measured
+from the tensors themselves; optimizer state that does not exist yet (before the first step) is predicted from the
+fused optimizer's entry in :mod:`ipex_train.optim._registry` and :func:`state_bytes_per_element`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .optim import _fused, _registry
+
+
+def state_bytes_per_element(p: Tensor, group: dict) -> float:
+    """Bytes per element of one optimizer state tensor of parameter ``p`` in param group ``group``: the one place
+    a state storage format states its size (fp32 state, fp64 for fp64 parameters)."""
+    return _fused.state_dtype(p).itemsize
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of a model's parameters and everything training keeps per parameter. ``str()`` gives the line
+    optimize() logs at INFO.
+
+    parameters: elements of the model's parameters. weights / truth / grads: bytes of the stored weights, of their
+    fp32 truth (residuals or masters), and of the grads between backward and step (measured where a grad exists,
+    else the weight's element size; 0 with step_in_backward). state_measured: bytes of existing optimizer state
+    tensors; state_predicted: the fused optimizer's state not created yet; state_unknown_elements: parameter
+    elements whose optimizer has no fused step and no state yet (its size is known after the first step).
+    step_in_backward: grads are freed inside backward; largest_grad is then the biggest single grad (the most
+    one parameter holds at a time).
+    """
+
+    parameters: int
+    weights: int
+    truth: int
+    grads: int
+    state_measured: int
+    state_predicted: int
+    state_unknown_elements: int
+    step_in_backward: bool
+    largest_grad: int
+
+    @property
+    def state(self) -> int:
+        """Optimizer state bytes, measured plus predicted."""
+        return self.state_measured + self.state_predicted
+
+    @property
+    def total(self) -> int:
+        """Weights + truth + grads + optimizer state, in bytes."""
+        return self.weights + self.truth + self.grads + self.state
+
+    def per_parameter(self) -> dict[str, float]:
+        """Each part (and the total) in bytes per parameter element."""
+        n = max(1, self.parameters)
+        return {"weights": self.weights / n, "truth": self.truth / n, "grads": self.grads / n,
+                "state": self.state / n, "total": self.total / n}
+
+    def to_dict(self) -> dict:
+        """The fields, the state and total bytes and :meth:`per_parameter`, as plain values (JSON-ready)."""
+        return dict(asdict(self), state=self.state, total=self.total, bytes_per_parameter=self.per_parameter())
+
+    def __str__(self) -> str:
+        per = self.per_parameter()
+        grads = "0 (stepped in backward)" if self.step_in_backward else f"{per['grads']:.2f}"
+        basis = "predicted" if self.state_predicted and not self.state_measured else \
+            "measured" if not self.state_predicted else "measured + predicted"
+        line = (f"ipex_train memory: {per['total']:.2f} bytes/param ({self.total / 2 ** 20:.1f} MiB for "
+                f"{self.parameters / 1e6:.2f}M params) = weights {per['weights']:.2f} + fp32 truth "
+                f"{per['truth']:.2f} + grads {grads} + optimizer state {per['state']:.2f} ({basis})")
+        if self.state_unknown_elements:
+            line += f"; state of {self.state_unknown_elements} elements known after the first step"
+        return line
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+    """The bytes per parameter of training ``model`` with ``optimizer`` as configured (pass what
+    ipex_train.optimize() returned; a plain model and torch optimizer work too). See :class:`MemoryReport`."""
+    from .frontend import _ATTR as MASTERS_ATTR  # here: frontend imports the summary, which imports this
+    from .optim._wrapper import TrainingOptimizer, user_class
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memory_report(): model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"memory_report(): optimizer must be a torch.optim.Optimizer or None, got "
+                        f"{type(optimizer).__name__}")
+    params = list(model.parameters())
+    masters = getattr(model, MASTERS_ATTR, None)
+    aux = masters.aux if masters is not None else {}
+    release = isinstance(optimizer, TrainingOptimizer) and optimizer.step_in_backward
+    trained = [p for p in params if p.requires_grad]
+    grad_sizes = [_nbytes(p.grad) if p.grad is not None else p.numel() * p.element_size() for p in trained]
+    measured = predicted = unknown = 0
+    if optimizer is not None:
+        entry = _registry.for_class(user_class(optimizer))  # the state is torch's, fused or not
+        for group in optimizer.param_groups:
+            states = [s for s in entry.state if s.present(group)] if entry is not None else []
+            for p in group["params"]:
+                found = [v for v in optimizer.state.get(p, {}).values() if isinstance(v, Tensor)]
+                if found:
+                    measured += sum(_nbytes(v) for v in found)
+                elif entry is not None:
+                    predicted += int(len(states) * p.numel() * state_bytes_per_element(p, group))
+                else:
+                    unknown += p.numel()
+    return MemoryReport(
+        parameters=sum(p.numel() for p in params), weights=sum(_nbytes(p) for p in params),
+        truth=sum(_nbytes(aux[p]) for p in params if p in aux), grads=0 if release else sum(grad_sizes),
+        state_measured=measured, state_predicted=predicted, state_unknown_elements=unknown,
+        step_in_backward=release, largest_grad=max(grad_sizes, default=0) if release else 0)
