@@ -1,4 +1,5 @@
-"""The benchmark suite: ``python -m benchmarks [--quick] [--out DIR] [--only step,train,inference,int8,xpu] [ARGS...]``.
+"""The benchmark suite: ``python -m benchmarks [--quick] [--out DIR] [--only step,train,inference,int8,xpu,memory]
+[ARGS...]``.
 
 Each benchmark runs in its own process (so one's memory and thread pools never colour another's, and a failing one
 does not stop the rest) and writes JSON; the suite then writes, under ``--out`` (default out/bench):
@@ -7,7 +8,7 @@ does not stop the rest) and writes JSON; the suite then writes, under ``--out`` 
   and each benchmark's printed table;
 * ``summary.json``: the same, machine-readable;
 * PNG plots: ``step_roofline.png`` (optimizer-step ns/param against the bandwidth floor measured in the same run),
-  ``step_vs_torch.png``, ``train_step.png``, ``inference.png`` and ``int8.png`` (ratio bars).
+  ``step_vs_torch.png``, ``train_step.png``, ``inference.png``, ``int8.png`` and ``memory.png`` (ratio bars).
 
 Every figure is a ratio or a median over repeats measured within one run; nothing is compared across runs.
 """
@@ -26,6 +27,7 @@ BENCHMARKS = {
     "inference": "benchmarks.bench_inference",
     "int8": "benchmarks.bench_int8",
     "xpu": "benchmarks.bench_xpu",
+    "memory": "benchmarks.bench_memory",
 }
 
 
@@ -158,7 +160,15 @@ def _plot_int8(data: dict, out: str) -> list[str]:
                       "int8 inference throughput vs eager fp32 (higher is better)")
 
 
-PLOTS = {"step": _plot_step, "inference": _plot_inference, "train": _plot_train, "int8": _plot_int8}
+def _plot_memory(data: dict, out: str) -> list[str]:
+    groups = {"bytes/param": {r["label"]: r["ratio_vs_torch_fp32"] for r in data["results"]},
+              "step time": {r["label"]: r["step_time_vs_torch_fp32"] for r in data["results"]}}
+    return [_bars(os.path.join(out, "memory.png"), "100M-param AdamW step vs torch fused fp32 (lower is better)",
+                  "x torch fp32", groups, 1.0)]
+
+
+PLOTS = {"step": _plot_step, "inference": _plot_inference, "train": _plot_train, "int8": _plot_int8,
+         "memory": _plot_memory}
 
 
 def _machine() -> dict:
