@@ -210,5 +210,7 @@ def test_config_field():
     cfg = ipex_train.OptimizeConfig.from_env({"IPEX_TRAIN_STEP_IN_BACKWARD": "1"})
     assert cfg.step_in_backward is True and cfg.to_dict()["step_in_backward"] is True
     model = make_model()
-    _, opt = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    model, opt = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
     assert opt.step_in_backward
+    assert "SGD: fused sgd step inside backward" in str(ipex_train.summary(model, opt))
+    assert ipex_train.summary(model, opt).to_dict()["step_in_backward"] is True
