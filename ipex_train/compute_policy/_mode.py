@@ -1,7 +1,6 @@
 """The emulated policy's op table and the TorchFunctionMode that routes bf16 matmul-class calls through it."""
 from __future__ import annotations
 
-import functools
 import types
 
 import torch
@@ -137,7 +136,10 @@ def _sdpa(func, args, kwargs):
         return _upcast_call(func, args, kwargs)
     q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
     fused = (
-        q.dim() == k.dim() == v.dim() == 4
+        # torch.compile cannot trace _fused_sdp_choice (it returns an int): compiled graphs take the generic fp32
+        # upcast, whose fp32 saved operands the compiler may then rematerialise.
+        not torch.compiler.is_compiling()
+        and q.dim() == k.dim() == v.dim() == 4
         and a["dropout_p"] == 0.0
         and not a["enable_gqa"]
         and (mask is None or not mask.requires_grad)
@@ -200,7 +202,6 @@ def _no_override(*args) -> bool:
 _F_WITHOUT_OVERRIDE_CHECK = {**vars(F), **{name: _no_override for name in _OVERRIDE_CHECKS}}
 
 
-@functools.cache
 def _transparent(func: types.FunctionType) -> types.FunctionType | None:
     """A copy of a torch.nn.functional composite without its ``__torch_function__`` check.
 
@@ -216,6 +217,15 @@ def _transparent(func: types.FunctionType) -> types.FunctionType | None:
     return copy
 
 
+# Built once at import, not on first call: torch.compile cannot trace the creation of a function object
+# (type.__new__), and a lazily built copy broke the graph at every functional call inside a compiled forward.
+_TRANSPARENT = {
+    func: body
+    for func in vars(F).values()
+    if type(func) is types.FunctionType and (body := _transparent(func)) is not None
+}
+
+
 class _EmulationMode(TorchFunctionMode):
     """Routes the ops in _EMULATED to their fp32 implementations when torch would run them in bf16."""
 
@@ -226,9 +236,8 @@ class _EmulationMode(TorchFunctionMode):
             if _runs_in_bf16(_operands(args, kwargs), func not in _NOT_LOWERED_BY_AUTOCAST):
                 return impl(func, args, kwargs)
             return func(*args, **kwargs)
-        if type(func) is types.FunctionType:
-            body = _transparent(func)
-            if body is not None:
-                with self:
-                    return body(*args, **kwargs)
+        body = _TRANSPARENT.get(func)
+        if body is not None:
+            with self:
+                return body(*args, **kwargs)
         return func(*args, **kwargs)
