@@ -1,0 +1,132 @@
+"""The models bench_train_step trains, each built from code or a config (nothing downloaded).
+
+``MODELS`` maps a name to a :class:`ModelSpec`: a builder, the input shape (batch first), the optimizer and learning
+rate, and the signal scale of the synthetic task. Transformer inputs are embeddings (float), so every model takes a
+float tensor and returns class logits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+NUM_CLASSES = 10
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: two 3x3 convs with BatchNorm and a projected shortcut when needed."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """ResNet-style CNN for 64x64 inputs, ~2.7M parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        widths = [(32, 64, 2), (64, 128, 2), (128, 128, 1), (128, 256, 2), (256, 256, 1)]
+        self.blocks = nn.Sequential(*(BasicBlock(i, o, s) for i, o, s in widths))
+        self.head = nn.Linear(256, NUM_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class Encoder(nn.Module):
+    """nn.TransformerEncoder stack (4 layers, d_model 512) with a mean-pool classifier head."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = nn.Linear(512, NUM_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(1))
+
+
+class BertLike(nn.Module):
+    """HuggingFace BertModel from a BERT-base config (hidden 768, 12 heads, FFN 3072), 4 of its 12 layers so that
+    quick mode fits in minutes on 2 cores, fed embeddings; classifier on the pooled [CLS] output."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        config = BertConfig(num_hidden_layers=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        self.bert = BertModel(config, add_pooling_layer=True)
+        self.head = nn.Linear(config.hidden_size, NUM_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.bert(inputs_embeds=x).pooler_output)
+
+
+def _vit():
+    """torchvision VisionTransformer, ViT-S/8 shape (6 layers of 12) for 64x64 inputs."""
+    from torchvision.models import VisionTransformer
+
+    return VisionTransformer(image_size=64, patch_size=8, num_layers=6, num_heads=6, hidden_dim=384, mlp_dim=1536,
+                             num_classes=NUM_CLASSES)
+
+
+def _resnet50():
+    from torchvision.models import resnet50
+
+    return resnet50(num_classes=NUM_CLASSES)
+
+
+def _timm_resnet18():
+    import timm
+
+    return timm.create_model("resnet18", pretrained=False, num_classes=NUM_CLASSES)
+
+
+def sgd(params, lr: float) -> torch.optim.Optimizer:
+    """SGD with momentum: updates linear in the gradient, unlike Adam's early sign-like steps."""
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def timm_adamw(params, lr: float) -> torch.optim.Optimizer:
+    """timm's optimizer factory, as timm's train script builds it (AdamW, weight decay 0.05)."""
+    import timm.optim
+
+    return timm.optim.create_optimizer_v2(params, "adamw", lr=lr, weight_decay=0.05)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    build: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    lr: float
+    signal: float  # class template scale against unit noise: sets how fast the task is learnt
+    optimizer: Callable[..., torch.optim.Optimizer] = sgd
+    large: bool = False  # quick mode leaves out its torch.compile variants (minutes of compilation each)
+
+
+MODELS = {
+    "resnet_cnn": ModelSpec(SmallResNet, (16, 3, 64, 64), 0.003, 0.05),
+    # lr 0.002: at 0.01 the fp32 run itself diverges after ~20 steps (its loss rises), and two diverging runs
+    # cannot show whether two numerics agree.
+    "transformer": ModelSpec(Encoder, (8, 128, 512), 0.002, 0.05, large=True),
+    "bert_like": ModelSpec(BertLike, (8, 128, 768), 0.002, 0.05, large=True),
+    "vit": ModelSpec(_vit, (16, 3, 64, 64), 0.002, 0.05, large=True),
+    "resnet50": ModelSpec(_resnet50, (8, 3, 64, 64), 0.003, 0.05, large=True),
+    # The small-real-model case of issue #14: batch 8, 64 px, timm's optimizer.
+    "timm_resnet18": ModelSpec(_timm_resnet18, (8, 3, 64, 64), 1e-3, 0.05, optimizer=timm_adamw),
+}

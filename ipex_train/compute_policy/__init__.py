@@ -1,0 +1,242 @@
+"""How bf16 matmul-class work is computed on this CPU: natively, or emulated in fp32.
+
+Why
+---
+On CPUs without bf16 arithmetic (no avx512_bf16, amx_bf16 or avx_ne_convert) torch and oneDNN
+fall back to reference kernels for bf16 matmuls and convolutions, which run one to two orders
+of magnitude slower than fp32: a bf16 train step under ``torch.autocast("cpu", torch.bfloat16)``
+is 20-60x slower than fp32 there. Upcasting the bf16-stored operands and doing the math in fp32
+costs a few percent over fp32, and bf16 values are exactly representable in fp32, so the result
+equals an fp32 computation on the bf16 operands.
+
+Policies
+--------
+``"native"``
+    The CPU has bf16 arithmetic: nothing is changed.
+``"emulated"``
+    linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
+    scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
+    linalg.matmul, addbmm, mv, addmv, dot, vdot, bilinear and the RNNs (LSTM, GRU, RNN) are
+    computed in fp32 when torch would run them in bf16 (bf16 operands, or fp32 operands under
+    CPU bf16 autocast for the ops autocast lowers) and return bf16. Every other op runs as it
+    would anyway.
+
+:func:`resolve` picks the policy (argument > ``IPEX_TRAIN_BF16_COMPUTE`` > CPU features) and logs
+it once on the ``"ipex_train"`` logger.
+
+Mechanism
+---------
+*Forward*: a :class:`torch.overrides.TorchFunctionMode` is active only while an attached model's
+forward runs (:func:`attach` registers a forward pre-hook that enters it and an ``always_call``
+forward hook that leaves it), so nothing outside that forward is touched and no global switch is
+flipped. The mode sees every torch call made from Python, so functional code (``torch.matmul``,
+``x @ w``, ``F.scaled_dot_product_attention``) is covered as well as ``nn.Linear``/``nn.Conv*``.
+The Python composites of torch.nn.functional (``F.multi_head_attention_forward``, used by
+nn.MultiheadAttention and nn.TransformerEncoderLayer) run with the mode still active, so the
+linears and attention inside them are seen too.
+
+*Backward*: the autograd engine runs backward kernels below the Python layer and outside the
+forward's scope, where no torch-function mode sees them. Each emulated op is therefore a custom
+:class:`torch.autograd.Function` whose backward also computes in fp32 and returns gradients in
+each input's dtype (bf16 for bf16 weights, fp32 for fp32 weights under autocast). The Functions
+save the bf16 inputs, not fp32 copies, and upcast them again in backward: activation memory
+stays that of bf16 training. Attention saves its fp32 output and log-sum-exp, which the fused
+attention backward needs; that is what fp32 training saves for it.
+
+Unusual argument forms (``out=``, ``padding="same"`` with an even kernel, attention with dropout
+or a differentiable mask) are upcast at the autograd level instead (fp32 compute, autograd saves
+the fp32 copies): still no bf16 matmul, at the memory cost of fp32 for that op.
+
+Layout: this module chooses the policy and attaches/scopes it; ``_functions`` holds the fp32 autograd
+Functions; ``_mode`` holds the op table and the TorchFunctionMode that routes ops to them.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+
+import torch
+
+from .. import _options
+from ._mode import _EmulationMode
+
+__all__ = [
+    "POLICIES",
+    "ENV_VAR",
+    "cpu_has_native_bf16",
+    "resolve",
+    "info",
+    "attach",
+    "emulated_bf16",
+    "ComputePolicyHandle",
+]
+
+POLICIES = ("native", "emulated")
+ENV_VAR = "IPEX_TRAIN_BF16_COMPUTE"
+_REQUESTABLE = ("auto",) + POLICIES
+_NATIVE_BF16_FEATURES = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
+
+_log = logging.getLogger("ipex_train")
+_logged: set[tuple[str, str]] = set()
+
+
+# --------------------------------------------------------------------------- policy selection
+
+
+def _features() -> dict[str, bool]:
+    """CPU features as name -> bool (read through :mod:`ipex_train._ops`, which probes them)."""
+    from .. import _ops
+
+    return _ops.cpu_features()
+
+
+def cpu_has_native_bf16(features: dict[str, bool] | None = None) -> bool:
+    """True when the CPU has bf16 arithmetic (avx512_bf16, amx_bf16 or avx_ne_convert).
+
+    ``features`` maps feature names to bools; by default they are read from the CPU.
+    """
+    if features is None:
+        features = _features()
+    return any(features.get(name, False) for name in _NATIVE_BF16_FEATURES)
+
+
+def _check_value(value: str, where: str) -> str:
+    normalized = value.strip().lower()
+    if normalized not in _REQUESTABLE:
+        raise ValueError(f"{where}={value!r} is not a bf16 compute policy; accepted values: {', '.join(_REQUESTABLE)}")
+    return normalized
+
+
+def _resolve_with_source(requested: str | None) -> tuple[str, str]:
+    if requested is not None and _check_value(requested, "requested") != "auto":
+        return requested.strip().lower(), "argument"
+    env = _options.env(ENV_VAR)
+    if env is not None and _check_value(env, ENV_VAR) != "auto":
+        return env.strip().lower(), f"environment variable {ENV_VAR}"
+    native = cpu_has_native_bf16()
+    return ("native" if native else "emulated"), "CPU features"
+
+
+def resolve(requested: str | None = None) -> str:
+    """The bf16 compute policy to use: ``"native"`` or ``"emulated"``.
+
+    ``requested`` wins when it is ``"native"`` or ``"emulated"``; ``None`` or ``"auto"`` defers to
+    the environment variable ``IPEX_TRAIN_BF16_COMPUTE`` (same values), and when that is unset or
+    ``"auto"`` the CPU decides: ``"native"`` iff it has bf16 arithmetic. Values are
+    case-insensitive; anything else raises ValueError. Each distinct choice is logged once.
+    """
+    policy, source = _resolve_with_source(requested)
+    if (policy, source) not in _logged:
+        _logged.add((policy, source))
+        why = (
+            "bf16 matmul/conv run on the CPU's bf16 units"
+            if policy == "native"
+            else "bf16 matmul/conv/attention are computed in fp32 from bf16 operands"
+        )
+        _log.info("bf16 compute policy: %s (chosen by %s): %s", policy, source, why)
+    return policy
+
+
+def info() -> dict[str, object]:
+    """What the policy resolves to here: ``{"bf16_compute", "chosen_by", "cpu_native_bf16"}``."""
+    policy, source = _resolve_with_source(None)
+    return {"bf16_compute": policy, "chosen_by": source, "cpu_native_bf16": cpu_has_native_bf16()}
+
+
+# --------------------------------------------------------------------------- scoping
+
+
+_tls = threading.local()
+
+
+def _enter() -> None:
+    depth = getattr(_tls, "depth", 0)
+    if depth == 0:
+        _tls.mode = _EmulationMode()
+        _tls.mode.__enter__()
+    _tls.depth = depth + 1
+
+
+def _leave() -> None:
+    _tls.depth -= 1
+    if _tls.depth == 0:
+        _tls.mode.__exit__(None, None, None)
+        _tls.mode = None
+
+
+@contextlib.contextmanager
+def emulated_bf16():
+    """Context manager: bf16 matmul-class ops called inside run in fp32 (the "emulated" policy).
+
+    Re-entrant and per-thread. Backward of ops run inside is emulated too, wherever backward is
+    called, because each emulated op carries its own fp32 backward.
+    """
+    _enter()
+    try:
+        yield
+    finally:
+        _leave()
+
+
+class ComputePolicyHandle:
+    """What :func:`attach` returns: ``policy``, ``active`` and ``remove()`` (idempotent)."""
+
+    def __init__(self, model: torch.nn.Module, policy: str, hooks: tuple = ()):
+        self.policy = policy
+        # Weak: the registry below maps model -> handle and must not keep the model alive.
+        self._model = weakref.ref(model)
+        self._hooks = hooks
+
+    @property
+    def active(self) -> bool:
+        """True while the hooks are registered (always False for "native")."""
+        return bool(self._hooks)
+
+    def remove(self) -> None:
+        """Detach: the model runs exactly as before :func:`attach`."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = ()
+        model = self._model()
+        if model is not None and _attached.get(model) is self:
+            del _attached[model]
+
+
+_attached: weakref.WeakKeyDictionary[torch.nn.Module, ComputePolicyHandle] = weakref.WeakKeyDictionary()
+
+
+# Module-level (not lambdas) so a model with the policy attached can still be pickled (torch.save(model)).
+def _enter_hook(module, args):
+    _enter()
+
+
+def _leave_hook(module, args, output):
+    _leave()
+
+
+def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
+    """Apply ``policy`` ("native" or "emulated", see :func:`resolve`) to ``model``'s forward.
+
+    "emulated" enters :func:`emulated_bf16` for the duration of each ``model(...)`` call; the
+    backward of the graph built there is emulated too. "native" changes nothing. Attaching again
+    returns the existing handle for the same policy, or replaces a different one.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is not one of {', '.join(POLICIES)} (use resolve() to pick one)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    existing = _attached.get(model)
+    if existing is not None:
+        if existing.policy == policy:
+            return existing
+        existing.remove()
+    if policy == "native":
+        handle = ComputePolicyHandle(model, policy)
+    else:
+        pre = model.register_forward_pre_hook(_enter_hook)
+        post = model.register_forward_hook(_leave_hook, always_call=True)
+        handle = ComputePolicyHandle(model, policy, (pre, post))
+    _attached[model] = handle
+    return handle

@@ -1,0 +1,243 @@
+"""The emulated policy's op table and the TorchFunctionMode that routes bf16 matmul-class calls through it."""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ._functions import _AddMatmul, _Conv, _FlashAttention, _fp32_region, _Linear, _Matmul
+
+
+def _bind(names, defaults, args, kwargs):
+    """Positional + keyword arguments by name; None when a keyword is not in ``names``."""
+    if len(args) > len(names) or any(key not in names for key in kwargs):
+        return None
+    bound = dict(defaults)
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    if any(name not in bound for name in names):
+        return None
+    return bound
+
+
+def _runs_in_bf16(tensors, autocast_lowers: bool = True) -> bool:
+    """Whether torch would run an op on these operands in bf16 on the CPU (``autocast_lowers``: whether CPU bf16
+    autocast runs this op in bf16; it leaves mv, dot, addmv and bilinear in fp32)."""
+    floats = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats or any(t.device.type != "cpu" for t in floats):
+        return False
+    if autocast_lowers and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+        allowed = (torch.bfloat16, torch.float32)
+    else:
+        # Mixed dtypes without autocast are an error in torch; let torch raise it.
+        allowed = (torch.bfloat16,)
+    return all(t.dtype in allowed for t in floats)
+
+
+def _upcast_call(func, args, kwargs):
+    """Generic path: call ``func`` on fp32 copies (autograd-tracked casts, so backward computes in fp32 too),
+    return bf16. Tensors inside list/tuple arguments (einsum operands, RNN weights and states) are cast as well,
+    and every floating output of a tuple result (an RNN's output and states) comes back bf16."""
+
+    def up(x):
+        if isinstance(x, (list, tuple)):
+            return type(x)(up(v) for v in x)
+        return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 else x
+
+    def down(x):
+        if isinstance(x, (list, tuple)):
+            return type(x)(down(v) for v in x)
+        return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
+
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out", None)
+    with _fp32_region():
+        result = down(func(*map(up, args), **{key: up(value) for key, value in kwargs.items()}))
+    return result if out is None else out.copy_(result)
+
+
+def _linear(func, args, kwargs):
+    a = _bind(("input", "weight", "bias"), {"bias": None}, args, kwargs)
+    if a is None:
+        return _upcast_call(func, args, kwargs)
+    return _Linear.apply(a["input"], a["weight"], a["bias"], torch.bfloat16)
+
+
+def _tuple(value, n):
+    value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    return value * n if len(value) == 1 else value
+
+
+def _same_padding(weight, dilation, n):
+    """Symmetric padding for ``padding="same"``; None when it would be asymmetric (even kernel)."""
+    total = [d * (k - 1) for d, k in zip(_tuple(dilation, n), weight.shape[2:])]
+    return None if any(t % 2 for t in total) else tuple(t // 2 for t in total)
+
+
+def _conv(n, transposed):
+    names = ("input", "weight", "bias", "stride", "padding") + (
+        ("output_padding", "groups", "dilation") if transposed else ("dilation", "groups")
+    )
+    defaults = {"bias": None, "stride": 1, "padding": 0, "output_padding": 0, "dilation": 1, "groups": 1}
+
+    def impl(func, args, kwargs):
+        a = _bind(names, defaults, args, kwargs)
+        if a is None or a["input"].dim() != n + 2:
+            return _upcast_call(func, args, kwargs)
+        padding = a["padding"]
+        if padding == "valid":
+            padding = 0
+        elif padding == "same":
+            padding = _same_padding(a["weight"], a["dilation"], n)
+            if padding is None or any(s != 1 for s in _tuple(a["stride"], n)):
+                # Asymmetric or (invalid) strided "same": torch's own implementation handles it.
+                return _upcast_call(func, args, kwargs)
+        return _Conv.apply(
+            a["input"], a["weight"], a["bias"], _tuple(a["stride"], n), _tuple(padding, n),
+            _tuple(a["dilation"], n), transposed, _tuple(a["output_padding"] if transposed else 0, n),
+            a["groups"], torch.bfloat16,
+        )
+
+    return impl
+
+
+def _matmul(op, swap=False):
+    def impl(func, args, kwargs):
+        if kwargs or len(args) != 2:
+            return _upcast_call(func, args, kwargs)
+        a, b = (args[1], args[0]) if swap else args
+        return _Matmul.apply(a, b, op, torch.bfloat16)
+
+    return impl
+
+
+def _add_matmul(op):
+    names = ("input", "mat1", "mat2") if op is torch.addmm else ("input", "batch1", "batch2")
+
+    def impl(func, args, kwargs):
+        a = _bind(names + ("beta", "alpha"), {"beta": 1, "alpha": 1}, args, kwargs)
+        if a is None:
+            return _upcast_call(func, args, kwargs)
+        return _AddMatmul.apply(*(a[name] for name in names), a["beta"], a["alpha"], op, torch.bfloat16)
+
+    return impl
+
+
+_FLASH = torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def _sdpa(func, args, kwargs):
+    a = _bind(_SDPA_NAMES, _SDPA_DEFAULTS, args, kwargs)
+    if a is None:
+        return _upcast_call(func, args, kwargs)
+    q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+    fused = (
+        # torch.compile cannot trace _fused_sdp_choice (it returns an int): compiled graphs take the generic fp32
+        # upcast, whose fp32 saved operands the compiler may then rematerialise.
+        not torch.compiler.is_compiling()
+        and q.dim() == k.dim() == v.dim() == 4
+        and a["dropout_p"] == 0.0
+        and not a["enable_gqa"]
+        and (mask is None or not mask.requires_grad)
+        and torch._fused_sdp_choice(q, k, v, mask, 0.0, a["is_causal"], scale=a["scale"]) == _FLASH
+    )
+    if not fused:
+        return _upcast_call(func, args, kwargs)
+    return _FlashAttention.apply(q, k, v, mask, a["is_causal"], a["scale"], torch.bfloat16)
+
+
+def _operands(args, kwargs):
+    """The arguments an op computes on, with list/tuple arguments (einsum operands, RNN weights) unpacked."""
+    flat = []
+    for value in list(args) + [value for key, value in kwargs.items() if key != "out"]:
+        flat.extend(value if isinstance(value, (list, tuple)) else (value,))
+    return flat
+
+
+_T = torch.Tensor
+_EMULATED = {
+    F.linear: _linear,
+    torch.conv1d: _conv(1, False),
+    torch.conv2d: _conv(2, False),
+    torch.conv3d: _conv(3, False),
+    torch.conv_transpose1d: _conv(1, True),
+    torch.conv_transpose2d: _conv(2, True),
+    torch.conv_transpose3d: _conv(3, True),
+    torch.matmul: _matmul(torch.matmul),
+    _T.matmul: _matmul(torch.matmul),
+    _T.__rmatmul__: _matmul(torch.matmul, swap=True),
+    torch.mm: _matmul(torch.mm),
+    _T.mm: _matmul(torch.mm),
+    torch.bmm: _matmul(torch.bmm),
+    _T.bmm: _matmul(torch.bmm),
+    torch.addmm: _add_matmul(torch.addmm),
+    _T.addmm: _add_matmul(torch.addmm),
+    torch.baddbmm: _add_matmul(torch.baddbmm),
+    _T.baddbmm: _add_matmul(torch.baddbmm),
+    F.scaled_dot_product_attention: _sdpa,
+}
+# Matmul-class ops without a dedicated Function above: computed through _upcast_call (autograd saves fp32 copies
+# of their operands). RNNs run their gate matmuls inside one C++ op; bf16 einsum and LSTM training steps measured
+# 59x and 20x slower than fp32 on this project's AVX2 machine, and CPU autocast's bf16 LSTM does not run there.
+_GENERIC = (
+    torch.einsum, torch.tensordot, torch.inner, torch.chain_matmul, torch.linalg.multi_dot, torch.linalg.matmul,
+    torch.addbmm, _T.addbmm, torch.mv, _T.mv, torch.addmv, _T.addmv, torch.dot, _T.dot, torch.vdot, _T.vdot,
+    torch.bilinear, torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu,
+)
+_EMULATED.update({func: _upcast_call for func in _GENERIC})
+# Ops CPU bf16 autocast leaves in fp32: emulated only when their operands are bf16.
+_NOT_LOWERED_BY_AUTOCAST = frozenset({torch.mv, _T.mv, torch.addmv, _T.addmv, torch.dot, _T.dot, torch.vdot,
+                                      _T.vdot, torch.bilinear})
+_OVERRIDE_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _no_override(*args) -> bool:
+    return False
+
+
+_F_WITHOUT_OVERRIDE_CHECK = {**vars(F), **{name: _no_override for name in _OVERRIDE_CHECKS}}
+
+
+def _transparent(func: types.FunctionType) -> types.FunctionType | None:
+    """A copy of a torch.nn.functional composite without its ``__torch_function__`` check.
+
+    A mode is popped while it handles a call, so F.multi_head_attention_forward would run its
+    linears and attention unobserved; re-entering the mode around the original would only send
+    the same call back to the mode. Limited to torch.nn.functional, whose composites call other
+    ops through module globals (Tensor methods re-dispatch to themselves and must not be copied).
+    """
+    if func.__module__ != F.__name__ or not any(name in func.__code__.co_names for name in _OVERRIDE_CHECKS):
+        return None
+    copy = types.FunctionType(func.__code__, _F_WITHOUT_OVERRIDE_CHECK, func.__name__, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return copy
+
+
+# Built once at import, not on first call: torch.compile cannot trace the creation of a function object
+# (type.__new__), and a lazily built copy broke the graph at every functional call inside a compiled forward.
+_TRANSPARENT = {
+    func: body
+    for func in vars(F).values()
+    if type(func) is types.FunctionType and (body := _transparent(func)) is not None
+}
+
+
+class _EmulationMode(TorchFunctionMode):
+    """Routes the ops in _EMULATED to their fp32 implementations when torch would run them in bf16."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        impl = _EMULATED.get(func)
+        if impl is not None:
+            if _runs_in_bf16(_operands(args, kwargs), func not in _NOT_LOWERED_BY_AUTOCAST):
+                return impl(func, args, kwargs)
+            return func(*args, **kwargs)
+        body = _TRANSPARENT.get(func)
+        if body is not None:
+            with self:
+                return body(*args, **kwargs)
+        return func(*args, **kwargs)
