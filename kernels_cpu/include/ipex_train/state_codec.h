@@ -55,14 +55,15 @@ ITR_FN float q8_decode(int32_t q, float scale, bool is_signed) {
   return q < 0 ? -mag : mag;
 }
 
-// The code of x in a block of scale `scale` (> 0).
+// The code of x in a block of scale `scale` (> 0). Branch-free, so the encode loops vectorize.
 ITR_FN int32_t q8_encode(float x, float scale, bool is_signed) {
-  const float a = x < 0 ? -x : x;
-  float r = a / scale;
-  r = r < 1.0f ? r : 1.0f;  // clamps rounding above the scale, and NaN/Inf ratios to the largest code
+  const uint32_t bits = math::f32_bits(x);
+  float r = math::f32_from_bits(bits & 0x7FFFFFFFu) / scale;
+  r = math::select(r < 1.0f, r, 1.0f);  // clamps rounding above the scale, and NaN ratios, to the largest code
   const float y = is_signed ? math::sqrt_(r) * 127.0f : math::sqrt_(math::sqrt_(r)) * 255.0f;
   const int32_t q = int32_t(y + 0.5f);
-  return x < 0 ? -q : q;
+  const int32_t neg = -int32_t(bits >> 31);  // all ones for a negative x
+  return (q ^ neg) - neg;
 }
 
 // Decodes n elements (a whole number of kQ8Block blocks, except at the end of a tensor) starting at element `first`
@@ -91,17 +92,24 @@ ITR_FN void decode(StateCodec c, const void* codes, const float* scales, float* 
 ITR_FN void encode(StateCodec c, const float* in, void* codes, float* scales, int64_t n, uint64_t key, int64_t first) {
   if (c == StateCodec::kBF16) {
     uint16_t* p = static_cast<uint16_t*>(codes);
-    for (int64_t j = 0; j < n; ++j) p[j] = bf16_stochastic(in[j], random16(key, first + j));
+    // random16 with its per-2^32-elements term hoisted: the callers' runs (loops.h's stages) never cross one.
+    const uint32_t base = uint32_t(key) + fmix32(uint32_t(uint64_t(first) >> 32) ^ uint32_t(key >> 32));
+    const uint32_t lo = uint32_t(uint64_t(first));
+    for (int64_t j = 0; j < n; ++j)
+      p[j] = bf16_stochastic(in[j], fmix32((lo + uint32_t(j)) * 0x9E3779B1u + base) >> 16);
     return;
   }
   const bool is_signed = c == StateCodec::kQ8Signed;
   for (int64_t b = 0; b < n; b += kQ8Block) {
     const int64_t m = n - b < kQ8Block ? n - b : kQ8Block;
-    float s = 0.0f;
+    // The absmax as the largest |x| bit pattern: for non-negative floats integer order is float order, and NaN
+    // patterns are above Inf's, so a NaN element makes the scale (and the whole block) NaN.
+    uint32_t top = 0;
     for (int64_t j = 0; j < m; ++j) {
-      const float a = in[b + j] < 0 ? -in[b + j] : in[b + j];
-      s = math::maximum(s, a);  // NaN-propagating: a NaN element makes the whole block NaN
+      const uint32_t a = math::f32_bits(in[b + j]) & 0x7FFFFFFFu;
+      top = a > top ? a : top;
     }
+    const float s = math::f32_from_bits(top);
     scales[b / kQ8Block] = s;
     const float safe = s > 0.0f ? s : 1.0f;  // an all-zero block: codes 0
     if (is_signed) {
@@ -109,7 +117,7 @@ ITR_FN void encode(StateCodec c, const float* in, void* codes, float* scales, in
       for (int64_t j = 0; j < m; ++j) q[j] = int8_t(q8_encode(in[b + j], safe, true));
     } else {
       uint8_t* q = static_cast<uint8_t*>(codes) + b;
-      for (int64_t j = 0; j < m; ++j) q[j] = uint8_t(q8_encode(in[b + j] > 0.0f ? in[b + j] : 0.0f, safe, false));
+      for (int64_t j = 0; j < m; ++j) q[j] = uint8_t(q8_encode(math::select(in[b + j] > 0.0f, in[b + j], 0.0f), safe, false));
     }
   }
 }
