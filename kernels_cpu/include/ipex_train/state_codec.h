@@ -56,11 +56,14 @@ ITR_FN float q8_decode(int32_t q, float scale, bool is_signed) {
 }
 
 // The code of x in a block of scale `scale` (> 0). Branch-free, so the encode loops vectorize.
-ITR_FN int32_t q8_encode(float x, float scale, bool is_signed) {
+template <bool SIGNED>
+ITR_FN int32_t q8_encode(float x, float scale) {
   const uint32_t bits = math::f32_bits(x);
   float r = math::f32_from_bits(bits & 0x7FFFFFFFu) / scale;
   r = math::select(r < 1.0f, r, 1.0f);  // clamps rounding above the scale, and NaN ratios, to the largest code
-  const float y = is_signed ? math::sqrt_(r) * 127.0f : math::sqrt_(math::sqrt_(r)) * 255.0f;
+  float y;
+  if constexpr (SIGNED) y = __builtin_sqrtf(r) * 127.0f;
+  else y = __builtin_sqrtf(__builtin_sqrtf(r)) * 255.0f;
   const int32_t q = int32_t(y + 0.5f);
   const int32_t neg = -int32_t(bits >> 31);  // all ones for a negative x
   return (q ^ neg) - neg;
@@ -114,10 +117,10 @@ ITR_FN void encode(StateCodec c, const float* in, void* codes, float* scales, in
     const float safe = s > 0.0f ? s : 1.0f;  // an all-zero block: codes 0
     if (is_signed) {
       int8_t* q = static_cast<int8_t*>(codes) + b;
-      for (int64_t j = 0; j < m; ++j) q[j] = int8_t(q8_encode(in[b + j], safe, true));
+      for (int64_t j = 0; j < m; ++j) q[j] = int8_t(q8_encode<true>(in[b + j], safe));
     } else {
       uint8_t* q = static_cast<uint8_t*>(codes) + b;
-      for (int64_t j = 0; j < m; ++j) q[j] = uint8_t(q8_encode(math::select(in[b + j] > 0.0f, in[b + j], 0.0f), safe, false));
+      for (int64_t j = 0; j < m; ++j) q[j] = uint8_t(q8_encode<false>(math::select(in[b + j] > 0.0f, in[b + j], 0.0f), safe));
     }
   }
 }
