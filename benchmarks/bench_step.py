@@ -322,6 +322,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None,
                    help="timed steps per row (default 15; 5 with --quick, 2 with --smoke)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per row before timing")
+    p.add_argument("--state-rows", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time reduced-byte state (bf16, int8) and the low-bit peers (benchmarks/bench_state.py)")
     p.add_argument("--roof-elements", type=parse_size, default=None,
                    help="elements in each tensor of the add_ roof (default 256Mi = 1 GiB each; 4Mi with --smoke)")
     return p
@@ -350,6 +352,14 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for n in sizes:
         rows += bench_size(n, args)
+    state_rows = []
+    if args.state_rows:
+        from . import bench_state
+
+        print("\nreduced-byte optimizer state (split-bf16 AdamW) and low-bit peers, interleaved with torch's fused "
+              "fp32 AdamW and the roof:")
+        for n in sizes:
+            state_rows += bench_state.bench_size(n, args)
     large.append(measure_roof(args.roof_elements, 2, roof_runs))
     row_roofs = [r["roof_gbps"] for r in rows]
     print(f"reference roof again at the end: {large[1]['gbps']:.2f} GB/s; the rows' roofs ranged "
@@ -359,7 +369,7 @@ def run(args: argparse.Namespace) -> dict:
     print("\n" + HEADER)
     for r in rows:
         print(_row_line(r))
-    checks = targets(rows)
+    checks = targets(rows) + (bench_state.targets(state_rows) if args.state_rows else [])
     print("\ntargets:")
     for t in checks:
         floor = f"; moving Lamb's bytes alone: {t['floor']:.2f}" if t.get("floor") else ""
@@ -370,7 +380,7 @@ def run(args: argparse.Namespace) -> dict:
               "roof": {"bytes_per_element": ROOF_BYTES_PER_ELEMENT, "reference_runs": large,
                        "gbps": statistics.median(row_roofs), "row_min_gbps": min(row_roofs),
                        "row_max_gbps": max(row_roofs)},
-              "results": rows, "targets": checks}
+              "results": rows, "state_rows": state_rows, "targets": checks}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")

@@ -15,6 +15,7 @@ import torch
 
 from . import _options
 from ._options import OptionTypeError
+from .optim import _state_formats
 
 DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 LEVELS = ("O0", "O1")
@@ -59,6 +60,8 @@ class OptimizeConfig:
         bf16_compute: None ("auto"), "native" or "emulated" (stored lower case; "auto" is stored as None).
         sycl: run the fused step on a SYCL queue (None defers to IPEX_TRAIN_SYCL when optimize() runs).
         step_in_backward: step each parameter inside backward and free its grad (None: off).
+        optimizer_state_dtype: None/torch.float32 (fp32 optimizer state), torch.bfloat16 or "int8" (reduced-byte
+            state; stored as None, torch.bfloat16 or "int8").
 
     Raises :class:`TypeError` for a value of the wrong type (a non-bool flag) and ValueError for a value that is
     not accepted, naming the field.
@@ -75,9 +78,12 @@ class OptimizeConfig:
     bf16_compute: str | None = None
     sycl: bool | None = None
     step_in_backward: bool | None = None
+    optimizer_state_dtype: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
+        object.__setattr__(self, "optimizer_state_dtype",
+                           _state_formats.parse(self.optimizer_state_dtype, f"{_WHERE}: optimizer_state_dtype"))
         if self.level not in LEVELS:
             raise ValueError(f"{_WHERE}: level must be 'O0' or 'O1', got {self.level!r}")
         for name in FLAGS:
@@ -121,6 +127,8 @@ class OptimizeConfig:
         out = dataclasses.asdict(self)
         if self.dtype is not None:
             out["dtype"] = str(self.dtype).removeprefix("torch.")
+        if self.optimizer_state_dtype is torch.bfloat16:
+            out["optimizer_state_dtype"] = "bfloat16"
         return out
 
     def merged(self, **shorthand: Any) -> OptimizeConfig:
@@ -156,4 +164,6 @@ def _parse(name: str, value: Any, where: str) -> Any:
         return _options.parse_choice(value, LEVELS, where, upper=True)
     if name == "bf16_compute":
         return _options.parse_choice(value, BF16_COMPUTE, where)
+    if name == "optimizer_state_dtype":
+        return _state_formats.parse(value, where)
     return _options.parse_bool(value, where)

@@ -37,6 +37,7 @@ from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_paramete
                               set_memory_format)
 from .config import OptimizeConfig
 from .optim import _release
+from .optim import _state_formats
 from .optim._wrapper import TrainingOptimizer, fused_kind, training_optimizer, user_class
 
 _log = logging.getLogger("ipex_train")
@@ -117,6 +118,29 @@ def _step_backend(sycl: bool | None, training: bool):
         raise RuntimeError(f"optimize(): {e}") from None
 
 
+def _check_state_dtype(state_dtype, optimizer, flags: Flags, backend) -> None:
+    """Raise unless the optimizer state can be kept in ``state_dtype`` (and every group's own choice is valid)."""
+    wanted = {state_dtype} | {_state_formats.parse(g.get(_state_formats.GROUP_KEY),
+                                                   f"optimize(): param group {i} key {_state_formats.GROUP_KEY!r}")
+                              for i, g in enumerate(optimizer.param_groups)}
+    if wanted == {None}:
+        return
+    name = f"optimize(): optimizer_state_dtype={state_dtype!r} (or a param group's state_dtype)"
+    if backend is not None:
+        raise ValueError(f"{name}: reduced-byte optimizer state is not implemented for the SYCL step; use sycl=False")
+    if not flags.fuse_update_step or fused_kind(user_class(optimizer)) is None:
+        raise ValueError(f"{name} needs the fused step: SGD, Adam, AdamW, Adagrad, Lamb or Lars with "
+                         "fuse_update_step left on")
+
+
+def _set_state_dtype(optimizer: TrainingOptimizer, state_dtype) -> None:
+    if state_dtype is None:
+        return
+    for group in optimizer.param_groups:
+        group.setdefault(_state_formats.GROUP_KEY, state_dtype)
+    optimizer.defaults.setdefault(_state_formats.GROUP_KEY, state_dtype)  # for add_param_group
+
+
 def _copy_model(model: nn.Module) -> tuple[nn.Module, dict[int, object]]:
     """deepcopy of ``model`` and its memo. Non-leaf tensors stored on modules (cached activations) cannot be
     deep-copied; the copy shares them instead."""
@@ -170,8 +194,7 @@ def _inference_passes(model: nn.Module, flags: Flags, sample_input) -> None:
 def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_bn_folding=None,
              linear_bn_folding=None, replace_dropout_with_identity=None, split_master_weight_for_bf16=None,
              fuse_update_step=None, auto_channels_last=None, sample_input=None, bf16_compute=None, sycl=None, *,
-             step_in_backward=None,
-             config: OptimizeConfig | None = None):
+             step_in_backward=None, optimizer_state_dtype=None, config: OptimizeConfig | None = None):
     """Prepare ``model`` (and ``optimizer``) for fast CPU training, or ``model`` alone for inference.
 
     Training (``model.training`` and an optimizer): returns ``(model, optimizer)``; use both in an unchanged
@@ -214,6 +237,11 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             clipping by global norm (a second backward before step(), or grads found at step(), raise
             RuntimeError), no DistributedDataParallel. optimizer.set_step_in_backward(False) turns it off.
             Refused (ValueError) for torch.optim.LBFGS.
+        optimizer_state_dtype: training only. None/torch.float32 (fp32 optimizer state), torch.bfloat16 (bf16 state
+            with stochastic rounding) or "int8" (block-wise 8-bit state): sets the ``state_dtype`` key of every
+            param group that has none (a group with ``state_dtype=torch.float32`` keeps fp32 state, e.g. for
+            embeddings); parameters under 4096 elements keep fp32 state. Needs a fused step on the CPU (not with
+            sycl, fuse_update_step=False or an optimizer without one). state_dict() still holds fp32 state.
         config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through sycl), instead of
             passing them one by one; a keyword argument given next to it must agree with it.
 
@@ -228,7 +256,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
                      replace_dropout_with_identity=replace_dropout_with_identity,
                      split_master_weight_for_bf16=split_master_weight_for_bf16, fuse_update_step=fuse_update_step,
                      auto_channels_last=auto_channels_last, bf16_compute=bf16_compute, sycl=sycl,
-                     step_in_backward=step_in_backward)
+                     step_in_backward=step_in_backward,
+                     optimizer_state_dtype=optimizer_state_dtype)
     if config is None:
         config = OptimizeConfig(**shorthand)
     elif not isinstance(config, OptimizeConfig):
@@ -244,6 +273,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
 
         compute_policy.resolve(bf16_compute)  # raises for a bad value before anything changes
     backend = _step_backend(config.sycl, training=optimizer is not None)
+    if optimizer is not None:
+        _check_state_dtype(config.optimizer_state_dtype, optimizer, flags, backend)
     if config.step_in_backward:
         _check_release(optimizer)
 
@@ -301,6 +332,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         _log.info("ipex_train.optimize(sycl=True): without a fused step the optimizer steps on the CPU; the "
                   "parameters still live in USM shared memory")
     optimizer = training_optimizer(optimizer, masters, fuse, param_map, backend)
+    _set_state_dtype(optimizer, config.optimizer_state_dtype)
     if config.step_in_backward:
         optimizer.set_step_in_backward(True)
     _summary.record(model, optimizer, dtype)

@@ -37,6 +37,16 @@ def add_common_flags(parser: argparse.ArgumentParser, *, dtype: str, optimizer: 
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+STATE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "int8": "int8"}
+
+
+def add_state_dtype_flag(parser: argparse.ArgumentParser) -> None:
+    """--state-dtype: optimize()'s optimizer_state_dtype (reduced-byte optimizer state)."""
+    parser.add_argument("--state-dtype", choices=list(STATE_DTYPES), default="float32",
+                        help="optimizer state dtype of the ipex_train run (bfloat16: stochastic rounding, int8: "
+                             "block-wise 8-bit)")
+
+
 @dataclass
 class RunResult:
     """Metrics of one training run."""
@@ -104,9 +114,12 @@ def prepare(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.o
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     if args.vanilla:
         return "torch fp32", "float32", model.to(memory_format=memory_format), optimizer, memory_format
+    state = getattr(args, "state_dtype", "float32")  # recipes with add_state_dtype_flag
     model, optimizer = ipex_train.optimize(model, optimizer, dtype=DTYPES[args.dtype],
-                                           auto_channels_last=args.channels_last)
-    return f"ipex_train {args.dtype}", args.dtype, model, optimizer, memory_format
+                                           auto_channels_last=args.channels_last,
+                                           optimizer_state_dtype=STATE_DTYPES[state])
+    name = f"ipex_train {args.dtype}" + ("" if state == "float32" else f", {state} state")
+    return name, args.dtype, model, optimizer, memory_format
 
 
 def compare(recipe: str, one_run: Callable[[argparse.Namespace], RunResult], args: argparse.Namespace,

@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.digits", description=__doc__.split("\n\n")[0])
     _common.add_common_flags(parser, dtype="bfloat16", optimizer="sgd", optimizers=OPTIMIZERS, steps=0,
                              batch_size=64, channels_last=True)
+    _common.add_state_dtype_flag(parser)
     parser.add_argument("--epochs", type=int, default=12, help="epochs when --steps is 0 (default)")
     parser.add_argument("--image-size", type=int, default=16, help="side the 8x8 images are upsampled to")
     parser.set_defaults(json=os.path.join("out", "digits", "metrics.json"),

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     # No convolutions here, so channels-last changes nothing; the flag stays for a uniform command line.
     _common.add_common_flags(parser, dtype="bfloat16", optimizer="lamb", optimizers=OPTIMIZERS, steps=30,
                              batch_size=32, channels_last=False)
+    _common.add_state_dtype_flag(parser)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)

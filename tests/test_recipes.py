@@ -51,6 +51,11 @@ RECIPES = [
                   "--dtype", "float32", "--no-compare-fp32"], ["ipex_train float32"]),
     ("transformer_lamb", ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16", "--test-size", "8"],
      BOTH),
+    # Reduced-byte optimizer state (the models' weight matrices have >= 4096 elements, so it is used).
+    ("digits", ["--image-size", "8", "--state-dtype", "int8", "--no-compare-fp32"],
+     ["ipex_train bfloat16, int8 state"]),
+    ("transformer_lamb", ["--d-model", "64", "--layers", "1", "--heads", "2", "--seq-len", "16", "--test-size", "8",
+                          "--state-dtype", "bfloat16", "--no-compare-fp32"], ["ipex_train bfloat16, bfloat16 state"]),
 ]
 
 

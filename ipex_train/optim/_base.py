@@ -44,14 +44,40 @@ class FusableOptimizer(torch.optim.Optimizer):
 
     KIND = ""
 
-    def __init__(self, params, defaults: dict[str, Any], fused: bool | None):
+    def __init__(self, params, defaults: dict[str, Any], fused: bool | None, state_dtype=None):
+        from . import _state_formats
+
         if fused is not None and not isinstance(fused, bool):
             raise OptionTypeError(f"fused must be None, True or False, got {fused!r}")
+        _state_formats.parse(state_dtype, "state_dtype")
         defaults = dict(defaults, fused=fused)
+        if state_dtype is not None:  # a group key only when asked for: checkpoints stay as they were otherwise
+            defaults[_state_formats.GROUP_KEY] = state_dtype
         super().__init__(params, defaults)
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state_dict, with reduced-byte state (``state_dtype``) as fp32 tensors."""
+        from . import _state_formats
+
+        return _state_formats.fp32_state_dict(self, super().state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch does, then store the state in each group's ``state_dtype``."""
+        from . import _fused
+
+        super().load_state_dict(state_dict)
+        _fused.store_state_formats(self.KIND, self.param_groups, self.state)
+
     def _use_fused(self, group: dict[str, Any], params: list[Tensor]) -> bool:
+        from . import _state_formats
+
         fused = group.get("fused")
+        if _state_formats.parse(group.get(_state_formats.GROUP_KEY), "state_dtype") is not None:
+            if fused is False or not can_fuse(params):
+                raise RuntimeError(f"{type(self).__name__}(state_dtype={group[_state_formats.GROUP_KEY]!r}) keeps "
+                                   "reduced-byte state, which only the fused kernel steps: use fused=None/True with "
+                                   "dense CPU float32 parameters (ipex_train.optimize() for bfloat16 models)")
+            return True
         if fused is None:
             return can_fuse(params)
         if fused and not can_fuse(params):

@@ -4,7 +4,8 @@ make one call into the C++ kernels for the whole group.
 Used by :class:`Lamb`, :class:`Lars`, :mod:`ipex_train.optim.functional` and the optimizer that
 :func:`ipex_train.optimize` returns; what each optimizer keeps and passes is its entry in :mod:`._registry`.
 ``aux`` holds, per parameter, None (fp32/fp64 storage), the int16 residual of a split bf16 parameter, or the fp32
-master of a bf16/fp16 parameter; optimizer state is always fp32 (fp64 for fp64 parameters).
+master of a bf16/fp16 parameter; optimizer state is fp32 (fp64 for fp64 parameters) unless the group's
+``state_dtype`` asks for reduced-byte state (:mod:`._state_formats`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from .._ops import ops, optimizer_names
 from ._checks import check_step_args
-from . import _registry
+from . import _registry, _state_formats
 from ._registry import FusedOptimizer
 
 KINDS = _registry.NAMES
@@ -30,7 +31,7 @@ def _check_against_kernels() -> None:
                           f"(ipex_train/optim/_registry.py) has {KINDS}; rebuild the extension")
     for o in _registry.OPTIMIZERS:
         expected = ["params", "aux", "grads", *(s.arg for s in o.state), *(["fresh_buffers"] * o.fresh_flags),
-                    *(["state_steps"] * o.counts_steps), *(h.arg for h in o.hyperparameters)]
+                    *(["state_steps"] * o.counts_steps), *(h.arg for h in o.hyperparameters), "state_key"]
         schema = [a.name for a in getattr(ops, f"{o.name}_step").default._schema.arguments]
         if schema != expected:
             raise ImportError(f"ipex_train: {o.op_name} takes {schema}; its registry entry describes {expected}")
@@ -73,6 +74,8 @@ def entry_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapp
         for p, st in zip(params, states):
             if st.get(spec.key) is None:
                 st[spec.key] = _state_tensor(p, fill)
+            # The group's state format (reduced-byte state, _state_formats): created fp32, loaded or switched.
+            st[spec.key] = _state_formats.convert(st[spec.key], p, _state_formats.wanted(group, p), spec.signed)
         lists[spec.key] = [st[spec.key] for st in states]
     if entry.fresh_flags and "fresh" not in lists:
         lists["fresh"] = []
@@ -89,6 +92,19 @@ def state_lists(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, 
     For SGD, ``fresh`` marks momentum buffers created now (torch starts those from the grad itself).
     """
     return entry_lists(_registry.get(kind), group, state, params)
+
+
+def store_state_formats(kind: str, param_groups: list[dict[str, Any]], state: MutableMapping[Tensor, dict]) -> None:
+    """Re-encode the existing state of optimizer ``kind`` in each group's ``state_dtype`` (after a load: the
+    checkpoint holds fp32)."""
+    entry = _registry.get(kind)
+    for group in param_groups:
+        for p in group["params"]:
+            st = state.get(p)
+            for spec in entry.state if st else ():
+                if isinstance(st.get(spec.key), Tensor):
+                    st[spec.key] = _state_formats.convert(st[spec.key], p, _state_formats.wanted(group, p),
+                                                          spec.signed)
 
 
 def kernel_lists(entry: FusedOptimizer, lists: dict[str, list]) -> list[list]:
@@ -125,4 +141,5 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
     found = entry_lists(entry, group, state, params)
     check_step_args(entry.op_name, params, aux, grads, {s.arg: found[s.key] for s in entry.state if found[s.key]},
                     found.get("step"))
-    getattr(ops, f"{kind}_step")(params, aux, grads, *kernel_lists(entry, found), *entry.kernel_args(group))
+    key = _state_formats.rounding_key(group) if _state_formats.parse(group.get(_state_formats.GROUP_KEY), "") else 0
+    getattr(ops, f"{kind}_step")(params, aux, grads, *kernel_lists(entry, found), *entry.kernel_args(group), key)

@@ -33,13 +33,14 @@ class State:
 
     ``key``: torch.optim's state key. ``arg``: the kernel argument holding the list. ``fill``: the group key whose
     value the tensor starts at (zeros when None). ``present``: whether the group keeps this tensor at all (an empty
-    list goes to the kernel otherwise).
+    list goes to the kernel otherwise). ``signed``: whether it can be negative (its int8 storage map).
     """
 
     key: str
     arg: str
     fill: str | None = None
     present: Callable[[dict[str, Any]], bool] = _always
+    signed: bool = True  # may go negative (int8 state stores it as int8 codes, else as uint8)
 
 
 @dataclass(frozen=True)
@@ -105,16 +106,16 @@ OPTIMIZERS: tuple[FusedOptimizer, ...] = (
     # AdamW derives from Adam (decoupled_weight_decay=True in its defaults), so it fuses through this entry.
     FusedOptimizer(
         "adam", torch.optim.Adam,
-        (State("exp_avg", "exp_avgs"), State("exp_avg_sq", "exp_avg_sqs"),
-         State("max_exp_avg_sq", "max_exp_avg_sqs", present=_amsgrad)),
+        (State("exp_avg", "exp_avgs"), State("exp_avg_sq", "exp_avg_sqs", signed=False),
+         State("max_exp_avg_sq", "max_exp_avg_sqs", present=_amsgrad, signed=False)),
         (Hyper("lr"), Hyper("beta1", "betas", 0), Hyper("beta2", "betas", 1), Hyper("weight_decay"), Hyper("eps"),
          _flag("amsgrad", False), _flag("maximize", False),
          _flag("decoupled_weight_decay", False))),
     FusedOptimizer(
-        "adagrad", torch.optim.Adagrad, (State("sum", "state_sums", fill="initial_accumulator_value"),),
+        "adagrad", torch.optim.Adagrad, (State("sum", "state_sums", fill="initial_accumulator_value", signed=False),),
         (Hyper("lr"), Hyper("lr_decay"), Hyper("weight_decay"), Hyper("eps"), _flag("maximize", False))),
     FusedOptimizer(
-        "lamb", Lamb, (State("exp_avg", "exp_avgs"), State("exp_avg_sq", "exp_avg_sqs")),
+        "lamb", Lamb, (State("exp_avg", "exp_avgs"), State("exp_avg_sq", "exp_avg_sqs", signed=False)),
         (Hyper("lr"), Hyper("beta1", "betas", 0), Hyper("beta2", "betas", 1), Hyper("weight_decay"), Hyper("eps"),
          _flag("bias_correction"))),
     FusedOptimizer(

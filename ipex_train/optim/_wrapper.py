@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .._master_weights import MasterWeights
-from . import _fused, _registry, _release
+from . import _fused, _registry, _release, _state_formats
 from ._registry import unhooked
 
 
@@ -200,6 +200,12 @@ class TrainingOptimizer(torch.optim.Optimizer):
                 state[p] = _normalised(entry, p, clone=False)
                 if self._ipex_sycl is not None:
                     self._ipex_sycl.place_state(state[p])
+        if self._fused_kind is not None and self._ipex_fuse:
+            _fused.store_state_formats(self._fused_kind, groups, state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state_dict, with reduced-byte state (param group key ``state_dtype``) as fp32 tensors."""
+        return _state_formats.fp32_state_dict(self, super().state_dict())
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -27,18 +27,21 @@ class Lamb(FusableOptimizer):
         bias_correction: divide the moments by ``1 - beta^t`` (off in some BERT recipes).
         fused: True for the C++ kernel, False for the plain PyTorch reference, None (default) for the kernel
             whenever the parameters are dense CPU float32/float64.
+        state_dtype: None (fp32 state), torch.bfloat16 or "int8": reduced-byte optimizer state (the group key
+            ``state_dtype``, see ipex_train.optimize's optimizer_state_dtype); needs the fused kernel.
     """
 
     KIND = "lamb"
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0, bias_correction: bool = True, *, fused: bool | None = None):
+                 weight_decay: float = 0.0, bias_correction: bool = True, *, fused: bool | None = None,
+                 state_dtype=None):
         check_nonneg("lr", lr)
         check_nonneg("eps", eps)
         check_nonneg("weight_decay", weight_decay)
         check_betas(betas)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, fused)
+        super().__init__(params, defaults, fused, state_dtype)
 
     def _reference_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                         lists: dict[str, list]) -> None:

@@ -25,12 +25,13 @@ class Lars(FusableOptimizer):
     KIND = "lars"
 
     def __init__(self, params, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
-                 eeta: float = 1e-3, epsilon: float = 0.0, *, fused: bool | None = None):
+                 eeta: float = 1e-3, epsilon: float = 0.0, *, fused: bool | None = None,
+                 state_dtype=None):
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay), ("eeta", eeta),
                             ("epsilon", epsilon)):
             check_nonneg(name, value)
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eeta=eeta, epsilon=epsilon)
-        super().__init__(params, defaults, fused)
+        super().__init__(params, defaults, fused, state_dtype)
 
     def _reference_step(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
                         lists: dict[str, list]) -> None:

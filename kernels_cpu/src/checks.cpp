@@ -43,6 +43,24 @@ const char* layout_name(Layout l) {
   return "?";
 }
 
+bool is_q8(StateCodec c) { return c == StateCodec::kQ8Signed || c == StateCodec::kQ8Unsigned; }
+
+// The format of a state tensor of dtype t for a parameter of layout l (kPlain: fp32/fp64, checked by the caller).
+StateCodec codec_of(at::ScalarType t, Layout l) {
+  if (l == Layout::kF64) return StateCodec::kPlain;
+  if (t == at::kBFloat16) return StateCodec::kBF16;
+  if (t == at::kChar) return StateCodec::kQ8Signed;
+  if (t == at::kByte) return StateCodec::kQ8Unsigned;
+  return StateCodec::kPlain;
+}
+
+// splitmix64's finalizer.
+uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
 }  // namespace
 
 std::string where(const char* arg, size_t i) { return std::string(arg) + "[" + std::to_string(i) + "]"; }
@@ -69,7 +87,8 @@ bool same_memory_order(const at::Tensor& a, const at::Tensor& b) {
 }
 
 std::vector<Slot> prepare(const char* op, at::TensorList params, const c10::List<std::optional<at::Tensor>>& aux,
-                          at::TensorList grads, const std::vector<StateArg>& states, int64_t stream_min) {
+                          at::TensorList grads, const std::vector<StateArg>& states, int64_t stream_min,
+                          int64_t state_key) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n, op, ": got ", n, " params but ", grads.size(), " grads");
   // An empty aux list means no parameter has one (torch.compile cannot functionalize None inside a mutable list).
@@ -105,14 +124,30 @@ std::vector<Slot> prepare(const char* op, at::TensorList params, const c10::List
       const at::Tensor& t = states[k].tensors[i];
       const std::string sname = where(states[k].name, i);
       check_cpu_dense(op, t, sname);
-      TORCH_CHECK_TYPE(t.scalar_type() == state_dtype, op, ": ", sname, " has dtype ", t.scalar_type(),
-                       "; optimizer state for a ", layout_name(s.layout), " parameter is ", state_dtype);
-      check_same_shape(op, t, sname, params[i], pname);
+      s.codec[k] = codec_of(t.scalar_type(), s.layout);
+      TORCH_CHECK_TYPE(t.scalar_type() == state_dtype || s.codec[k] != StateCodec::kPlain, op, ": ", sname,
+                       " has dtype ", t.scalar_type(), "; optimizer state for a ", layout_name(s.layout),
+                       " parameter is ", state_dtype,
+                       s.layout == Layout::kF64 ? "" : " (or bfloat16, or packed int8/uint8 for reduced-byte state)");
+      TORCH_CHECK_VALUE(k == 0 || (s.codec[k] == StateCodec::kPlain) == (s.codec[0] == StateCodec::kPlain), op,
+                        ": ", sname, " and ", where(states[0].name, i), " mix fp32 and reduced-byte state");
+      if (is_q8(s.codec[k])) {
+        TORCH_CHECK_VALUE(t.dim() == 1 && t.is_contiguous() && t.numel() == q8_bytes(params[i].numel()), op, ": ",
+                          sname, " is packed int8 state and must be a contiguous 1-D tensor of ",
+                          q8_bytes(params[i].numel()), " bytes (scales, then codes), got shape ", t.sizes());
+      } else {
+        check_same_shape(op, t, sname, params[i], pname);
+      }
     }
 
     bool aligned = params[i].is_non_overlapping_and_dense() && same_memory_order(params[i], g);
     if (aux_t.defined()) aligned = aligned && same_memory_order(params[i], aux_t);
-    for (const auto& st : states) aligned = aligned && same_memory_order(params[i], st.tensors[i]);
+    for (size_t k = 0; k < states.size(); ++k)
+      if (!is_q8(s.codec[k])) aligned = aligned && same_memory_order(params[i], states[k].tensors[i]);
+    // Packed int8 state is in the parameter's memory order, which a contiguous copy would not keep.
+    TORCH_CHECK_VALUE(aligned || states.empty() || !is_q8(s.codec[0]), op, ": ", pname,
+                      " has int8 state, so it, its grad and its aux must be dense and share one memory order");
+    s.key = mix64(uint64_t(state_key) ^ mix64(uint64_t(i) + 0x9E3779B97F4A7C15ull));
 
     if (aligned) {
       s.param = params[i];

@@ -81,6 +81,55 @@ void by_layout(Layout layout, Args&&... args) {
   }
 }
 
+// Reduced-byte state (ipex_train/state_codec.h): a chunk whose state is not fp32 runs in blocks of kStage elements;
+// each block's state is decoded into fp32 scratch (in L1), stepped by the very same loops as fp32 state, and encoded
+// back. kStage is a whole number of int8 blocks, and chunks start on one (schedule.h's kChunk is a multiple).
+constexpr int64_t kStage = 1024;
+static_assert(kStage % kQ8Block == 0, "a stage must hold whole int8 blocks");
+
+// Bytes per element of the param (and grad) and of the aux of layout L.
+template <Layout L>
+constexpr int64_t kParamBytes = L == Layout::kF64 ? 8 : L == Layout::kF32 ? 4 : 2;
+template <Layout L>
+constexpr int64_t kAuxBytes = L == Layout::kSplitBF16 ? 2 : 4;
+
+inline void* skip(const void* p, int64_t bytes) {
+  return p == nullptr ? nullptr : const_cast<char*>(static_cast<const char*>(p)) + bytes;
+}
+
+template <Layout L, class Run>
+void staged(const Chunk& c, const Run& run) {
+  if (c.codec[0] == StateCodec::kPlain && c.codec[1] == StateCodec::kPlain && c.codec[2] == StateCodec::kPlain)
+    return run(c);
+  alignas(64) float scratch[3][kStage];
+  for (int64_t b = 0; b < c.n; b += kStage) {
+    Chunk s = c;
+    s.n = c.n - b < kStage ? c.n - b : kStage;
+    s.first = c.first + b;
+    s.param = skip(c.param, b * kParamBytes<L>);
+    s.aux = skip(c.aux, b * kAuxBytes<L>);
+    s.grad = skip(c.grad, b * kParamBytes<L>);
+    for (int k = 0; k < 3; ++k) {
+      if (c.state[k] == nullptr) continue;
+      const StateCodec f = c.codec[k];
+      if (f == StateCodec::kPlain) {
+        s.state[k] = skip(c.state[k], b * 4);
+        continue;
+      }
+      s.state[k] = skip(c.state[k], f == StateCodec::kBF16 ? 2 * b : b);
+      s.scales[k] = c.scales[k] == nullptr ? nullptr : c.scales[k] + b / kQ8Block;
+      codec::decode(f, s.state[k], s.scales[k], scratch[k], s.n);
+    }
+    Chunk fp32 = s;
+    for (int k = 0; k < 3; ++k)
+      if (s.state[k] != nullptr && s.codec[k] != StateCodec::kPlain) fp32.state[k] = scratch[k];
+    run(fp32);
+    for (int k = 0; k < 3; ++k)
+      if (s.state[k] != nullptr && s.codec[k] != StateCodec::kPlain)
+        codec::encode(s.codec[k], scratch[k], s.state[k], s.scales[k], s.n, s.key, s.first);
+  }
+}
+
 // Sums of squares are kept in kLanes partial sums, element i in lane i % kLanes: every ISA variant then adds the
 // same numbers in the same order (bit-identical norms), a vector adds its lanes without reassociating a single sum
 // (which IEEE semantics forbid), and double neither overflows for |w| > 1.8e19 nor loses digits over a chunk,
@@ -133,9 +182,11 @@ struct Loops {
   template <Layout L>
   struct Apply {
     template <int V>
-    static void go(const Chunk& c, const Coef& cd) {
-      const auto s = state_of<RealOf<L>>(c);
-      each<L>(c, [&](const auto& st, int64_t i, const auto& k) { Opt::template apply<V>(st, s, i, k); }, cd);
+    static void go(const Chunk& chunk, const Coef& cd) {
+      staged<L>(chunk, [&](const Chunk& c) {
+        const auto s = state_of<RealOf<L>>(c);
+        each<L>(c, [&](const auto& st, int64_t i, const auto& k) { Opt::template apply<V>(st, s, i, k); }, cd);
+      });
     }
     // Runs go<variant>: one loop per apply<V> instantiation.
     template <int V = 0>
@@ -149,18 +200,21 @@ struct Loops {
 
   template <Layout L>
   struct Norms {
-    static void run(const Chunk& c, const Coef& cd, double* a_sq, double* b_sq) {
-      const auto s = state_of<RealOf<L>>(c);
+    static void run(const Chunk& chunk, const Coef& cd, double* a_sq, double* b_sq) {
       SquareSums sa, sb;
-      each<L>(
-          c,
-          [&](const auto& st, int64_t i, const auto& k) {
-            typename StorageOf<decltype(st)>::T a, b;
-            Opt::norms(st, s, i, k, a, b);
-            sa.add(i, a);
-            sb.add(i, b);
-          },
-          cd);
+      staged<L>(chunk, [&](const Chunk& c) {
+        const auto s = state_of<RealOf<L>>(c);
+        const int64_t base = c.first - chunk.first;  // lanes by the index in the whole chunk, staged or not
+        each<L>(
+            c,
+            [&](const auto& st, int64_t i, const auto& k) {
+              typename StorageOf<decltype(st)>::T a, b;
+              Opt::norms(st, s, i, k, a, b);
+              sa.add(base + i, a);
+              sb.add(base + i, b);
+            },
+            cd);
+      });
       *a_sq = sa.total();
       *b_sq = sb.total();
     }

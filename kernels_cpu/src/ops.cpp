@@ -38,8 +38,9 @@ void step(const c10::OperatorHandle& handle, torch::jit::Stack* stack) {
   std::vector<at::Tensor> steps;
   if constexpr (Opt::kFreshFlags) fresh = args[k++].toBoolList();
   if constexpr (Opt::kCountsSteps) steps = args[k++].toTensorVector();
-  TORCH_INTERNAL_ASSERT(n_args - k == step_args::field_count<typename Opt::Args>(), op,
+  TORCH_INTERNAL_ASSERT(n_args - k == step_args::field_count<typename Opt::Args>() + 1, op,
                         ": the schema's scalars and the fields of its fused:: entry's Args differ");
+  const int64_t state_key = args[n_args - 1].toInt();  // every step op's last argument (ITR_STEP_SCHEMA)
   const auto a = step_args::scalars<typename Opt::Args>([&](size_t j, auto type) -> decltype(type) {
     if constexpr (std::is_same_v<decltype(type), bool>) return args[k + j].toBool();
     else return args[k + j].toDouble();
@@ -53,7 +54,7 @@ void step(const c10::OperatorHandle& handle, torch::jit::Stack* stack) {
     TORCH_CHECK_VALUE(fresh.size() == params.size(), op, ": got ", params.size(), " params but ", fresh.size(),
                       " fresh_buffers flags");
   if (Opt::kCountsSteps) check_steps_len(op, params, steps);
-  auto slots = prepare(op, params, aux, grads, states, kStreamMin);
+  auto slots = prepare(op, params, aux, grads, states, kStreamMin, state_key);
   std::vector<Coef> coef(slots.size());
   for (size_t i = 0; i < slots.size(); ++i)
     coef[i] = a.coef({Opt::kCountsSteps ? step_of(op, steps, i) : 0.0,
@@ -142,8 +143,9 @@ std::vector<std::string> optimizer_names() {
 }  // namespace
 }  // namespace ipex_train
 
+// state_key: the stochastic-rounding key of bf16 optimizer state for this call (ipex_train/state_codec.h).
 #define ITR_STEP_SCHEMA(name, args) \
-  #name "_step(Tensor(a!)[] params, Tensor(b!)?[] aux, Tensor[] grads, " args ") -> ()"
+  #name "_step(Tensor(a!)[] params, Tensor(b!)?[] aux, Tensor[] grads, " args ", int state_key=0) -> ()"
 
 TORCH_LIBRARY(ipex_train, m) {
 #define ITR_DEF(name, args) m.def(ITR_STEP_SCHEMA(name, args));

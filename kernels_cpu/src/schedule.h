@@ -15,6 +15,7 @@
 namespace ipex_train {
 
 constexpr int64_t kChunk = 1 << 15;        // elements per work item: big enough to stream, small enough to balance
+static_assert(kChunk % kQ8Block == 0, "chunks must start on an int8 state block");
 constexpr int64_t kParallelMin = 1 << 16;  // a group smaller than this runs on the calling thread
 // A group of at least this many elements writes the master layouts' 16-bit params with streaming stores
 // (Chunk::stream16): its step moves 64 MB or more, so those lines would be gone from the caches by the forward pass
@@ -26,8 +27,20 @@ inline void* offset(const at::Tensor& t, int64_t elems) {
 }
 
 inline Chunk chunk_of(const Slot& s, int64_t begin, int64_t n) {
-  return {offset(s.param, begin), offset(s.aux, begin), offset(s.grad, begin),
+  Chunk c{offset(s.param, begin), offset(s.aux, begin), offset(s.grad, begin),
           {offset(s.state[0], begin), offset(s.state[1], begin), offset(s.state[2], begin)}, n, s.stream16};
+  for (int k = 0; k < 3; ++k) {
+    c.codec[k] = s.codec[k];
+    if (!s.state[k].defined() || (s.codec[k] != StateCodec::kQ8Signed && s.codec[k] != StateCodec::kQ8Unsigned))
+      continue;
+    // Packed int8 state: the block scales, then the codes (kChunk is a whole number of blocks).
+    float* scales = static_cast<float*>(s.state[k].data_ptr());
+    c.scales[k] = scales + begin / kQ8Block;
+    c.state[k] = reinterpret_cast<char*>(scales + q8_blocks(s.param.numel())) + begin;
+  }
+  c.key = s.key;
+  c.first = begin;
+  return c;
 }
 
 struct Job {

@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "convert.h"
+#include "state_codec.h"
 #include "updates/adagrad.h"
 #include "updates/adam.h"
 #include "updates/lamb.h"
@@ -34,6 +35,13 @@ struct Chunk {
   // lines, so a plain store first reads each line from memory; for groups far larger than the caches that is 2
   // wasted bytes per element (measured: benchmarks/reports/kernels_cpu.md). The SYCL kernels ignore it.
   bool stream16 = false;
+  // Reduced-byte state (state_codec.h), CPU only: the format of each state list (state[k] then points at this
+  // run's first code), the scale of the run's first int8 block per list, the stochastic-rounding key of this
+  // parameter's step, and the index of the run's first element in its parameter.
+  StateCodec codec[3] = {StateCodec::kPlain, StateCodec::kPlain, StateCodec::kPlain};
+  float* scales[3] = {nullptr, nullptr, nullptr};
+  uint64_t key = 0;
+  int64_t first = 0;
 };
 
 namespace storage {

@@ -1,0 +1,159 @@
+"""Reduced-byte optimizer state: the formats, their option values, and fp32 <-> reduced conversions.
+
+A param group's ``state_dtype`` key (set for every group by ``optimize(..., optimizer_state_dtype=...)``, or by
+the ``state_dtype`` argument of :class:`~ipex_train.optim.Lamb`/:class:`~ipex_train.optim.Lars`) picks how the fused
+steps store that group's state:
+
+* ``None`` / ``torch.float32``: fp32 (today's behaviour; fp64 parameters always keep fp64 state).
+* ``torch.bfloat16``: a bf16 tensor shaped like the parameter (2 bytes per element). The kernels round each new
+  value stochastically (unbiased; random bits from a hash of the group's ``state_seed``, its step count, the
+  parameter's position in the call and the element index), so small updates are not lost on average.
+* ``"int8"``: a packed 1-D tensor, per block of 256 elements one fp32 scale (the block's absmax) then one code per
+  element (2.03 bytes per element for two moments): int8 codes on a square-law map for signed state (first
+  moments, momentum), uint8 codes on the square root of the value for non-negative state (second moments).
+
+Parameters with fewer than :data:`MIN_NUMEL` elements (biases, norms) keep fp32 state. The C++ side is
+kernels_cpu/include/ipex_train/state_codec.h; :func:`encode` and :func:`decode` give the same bits as its int8
+encoding (bf16 state is encoded here with round-to-nearest, which is lossless for a value that came from bf16).
+``state_dict()`` returns every state as fp32 (:func:`fp32_state_dict`), loadable by vanilla torch.optim; loading
+an fp32 state re-encodes it, and a reduced state survives save -> load bit for bit (bf16 -> fp32 -> bf16 is exact;
+for int8, ``encode(decode(q)) == q``).
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+from torch import Tensor
+
+GROUP_KEY = "state_dtype"
+SEED_KEY = "state_seed"
+ROUNDS_KEY = "state_rounds"  # fused steps taken by the group with bf16 state (part of the rounding key)
+MIN_NUMEL = 4096
+Q8_BLOCK = 256  # kQ8Block in state_codec.h
+
+Format = Union[torch.dtype, str, None]
+_NAMES = {"int8": "int8", "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": None, "float32": None}
+ACCEPTED = "None or torch.float32 (fp32 state), torch.bfloat16 / 'bf16', or 'int8'"
+
+
+def parse(value: Any, name: str) -> Format:
+    """The format named by ``value`` (None for fp32); ValueError naming ``name`` for anything else."""
+    if value is None or value is torch.float32:
+        return None
+    if value is torch.bfloat16:
+        return torch.bfloat16
+    if isinstance(value, str) and value.strip().lower() in _NAMES:
+        return _NAMES[value.strip().lower()]
+    raise ValueError(f"{name} must be {ACCEPTED}, got {value!r}")
+
+
+def wanted(group: dict[str, Any], p: Tensor) -> Format:
+    """The state format of parameter ``p`` in ``group``: the group's, unless ``p`` is small or not float32-based."""
+    fmt = parse(group.get(GROUP_KEY), f"param group key {GROUP_KEY!r}")
+    if fmt is None or p.dtype == torch.float64 or p.numel() < MIN_NUMEL:
+        return None
+    return fmt
+
+
+def format_of(t: Tensor) -> Format:
+    """The format a state tensor is stored in."""
+    if t.dtype == torch.bfloat16:
+        return torch.bfloat16
+    if t.dtype in (torch.int8, torch.uint8):
+        return "int8"
+    return None
+
+
+def packed_bytes(numel: int) -> int:
+    """Bytes of the packed int8 state of a parameter of ``numel`` elements."""
+    return 4 * _blocks(numel) + numel
+
+
+def fits(t: Tensor, p: Tensor) -> bool:
+    """Whether ``t`` is reduced-byte state of the right dtype and shape for the float32-based parameter ``p``."""
+    if t.dtype == torch.bfloat16:
+        return t.shape == p.shape
+    return t.dtype in (torch.int8, torch.uint8) and t.dim() == 1 and t.numel() == packed_bytes(p.numel())
+
+
+def _blocks(numel: int) -> int:
+    return -(-numel // Q8_BLOCK)
+
+
+def _flat(t: Tensor) -> Tensor:
+    """The elements of a dense tensor in memory order (the order the kernels index them)."""
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def encode(x: Tensor, p: Tensor, fmt: Format, signed: bool) -> Tensor:
+    """fp32 state ``x`` of parameter ``p`` in format ``fmt`` (``signed``: int8 codes, else uint8 for state that is
+    never negative)."""
+    if fmt is None:
+        return x
+    like = torch.empty_like(p, dtype=torch.float32).copy_(x)  # p's memory order
+    if fmt is torch.bfloat16:
+        return like.to(torch.bfloat16)
+    flat = _flat(like)
+    n, nb = flat.numel(), _blocks(flat.numel())
+    blocks = torch.zeros(nb * Q8_BLOCK, dtype=torch.float32)
+    blocks[:n] = flat
+    blocks = blocks.view(nb, Q8_BLOCK)
+    scale = blocks.abs().amax(dim=1)  # NaN propagates, as in the kernel
+    safe = torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+    value = blocks.abs() if signed else torch.where(blocks > 0, blocks, 0.0)
+    r = value / safe
+    r = torch.where(r < 1.0, r, 1.0)
+    y = r.sqrt() * 127.0 if signed else r.sqrt().sqrt() * 255.0
+    q = (y + 0.5).to(torch.int32)
+    out = torch.empty(4 * nb + n, dtype=torch.int8 if signed else torch.uint8)
+    out[: 4 * nb].view(torch.float32).copy_(scale)
+    out[4 * nb:] = (torch.where(blocks < 0, -q, q) if signed else q).reshape(-1)[:n].to(out.dtype)
+    return out
+
+
+def decode(t: Tensor, p: Tensor) -> Tensor:
+    """State tensor ``t`` of parameter ``p`` as fp32, shaped and laid out like ``p``."""
+    fmt = format_of(t)
+    out = torch.empty_like(p, dtype=torch.float32)
+    if fmt is None or fmt is torch.bfloat16:
+        return out.copy_(t)
+    signed = t.dtype == torch.int8
+    n, nb = p.numel(), _blocks(p.numel())
+    scale = t[: 4 * nb].view(torch.float32)
+    q = torch.zeros(nb * Q8_BLOCK, dtype=torch.int32)
+    q[:n] = t[4 * nb:].to(torch.int32)
+    q = q.view(nb, Q8_BLOCK)
+    u = q.abs().to(torch.float32) / (127.0 if signed else 255.0)
+    mag = (u * u) * scale.unsqueeze(1) if signed else ((u * u) * (u * u)) * scale.unsqueeze(1)
+    _flat(out).copy_((torch.where(q < 0, -mag, mag) if signed else mag).reshape(-1)[:n])
+    return out
+
+
+def convert(t: Tensor, p: Tensor, fmt: Format, signed: bool) -> Tensor:
+    """State tensor ``t`` of ``p`` in format ``fmt`` (``t`` itself when it already is)."""
+    have = format_of(t)
+    if have == fmt and (have != "int8" or (t.dtype == torch.int8) == signed):
+        return t
+    return encode(decode(t, p) if have is not None else t, p, fmt, signed)
+
+
+def rounding_key(group: dict[str, Any]) -> int:
+    """The stochastic-rounding key of this step of ``group`` (counts the group's steps with reduced state)."""
+    rounds = int(group.get(ROUNDS_KEY, 0)) + 1
+    group[ROUNDS_KEY] = rounds
+    seed = int(group.get(SEED_KEY, 0))
+    return ((seed & 0x7FFFFFFF) << 32 | (rounds & 0xFFFFFFFF))
+
+
+def fp32_state_dict(optimizer: torch.optim.Optimizer, packed: dict[str, Any]) -> dict[str, Any]:
+    """``packed`` (torch's ``Optimizer.state_dict()`` of ``optimizer``) with every reduced state tensor as fp32."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, entry in packed["state"].items():
+        if any(isinstance(v, Tensor) and format_of(v) is not None for v in entry.values()):
+            p = params[index]
+            entry = {k: decode(v, p) if isinstance(v, Tensor) and format_of(v) is not None else v
+                     for k, v in entry.items()}
+        state[index] = entry
+    return {**packed, "state": state}
