@@ -13,13 +13,19 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from .optim import _fused, _registry
+from .optim import _fused, _registry, _state_formats
 
 
 def state_bytes_per_element(p: Tensor, group: dict) -> float:
     """Bytes per element of one optimizer state tensor of parameter ``p`` in param group ``group``: the one place
-    a state storage format states its size (fp32 state, fp64 for fp64 parameters)."""
-    return _fused.state_dtype(p).itemsize
+    a state storage format states its size (fp32 state, fp64 for fp64 parameters, or the group's reduced-byte
+    ``state_dtype``: bf16 2, int8 one code per element plus one fp32 scale per block)."""
+    fmt = _state_formats.wanted(group, p)
+    if fmt is None:
+        return _fused.state_dtype(p).itemsize
+    if fmt == "int8":
+        return _state_formats.packed_bytes(p.numel()) / p.numel()
+    return fmt.itemsize
 
 
 def _nbytes(t: Tensor) -> int:
