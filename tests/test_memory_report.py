@@ -90,3 +90,21 @@ def test_argument_errors():
         ipex_train.memory_report(object())
     with pytest.raises(TypeError, match="optimizer must be"):
         ipex_train.memory_report(make_model(), object())
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"])
+def test_reduced_state_prediction_matches_the_state_created(state_dtype):
+    # Layers above the size under which parameters keep fp32 state, and one below it (the bias).
+    model = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 10)).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = ipex_train.optimize(model, opt, dtype=torch.bfloat16, optimizer_state_dtype=state_dtype,
+                                     step_in_backward=True)
+    before = ipex_train.memory_report(model, opt)
+    fp32_state = 8 * before.parameters
+    assert before.state_predicted < 0.6 * fp32_state
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(torch.randn(4, 128)).float(), torch.randint(0, 10, (4,))).backward()
+    opt.step()
+    after = ipex_train.memory_report(model, opt)
+    steps = state_tensor_bytes(opt, {"step"})
+    assert after.state_measured - steps == before.state_predicted
