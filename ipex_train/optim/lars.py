@@ -19,7 +19,7 @@ class Lars(FusableOptimizer):
         w = w - buf
 
     The momentum buffer starts at zero. Args: ``lr``, ``momentum``, ``weight_decay``, ``eeta`` (trust
-    coefficient), ``epsilon``, and ``fused`` as for :class:`ipex_train.optim.Lamb`.
+    coefficient), ``epsilon``, and ``fused`` and ``state_dtype`` as for :class:`ipex_train.optim.Lamb`.
     """
 
     KIND = "lars"

@@ -40,6 +40,7 @@ _INCLUDES = {
     "ipex_train/common.h": "include/ipex_train/common.h",
     "ipex_train/convert.h": "include/ipex_train/convert.h",
     "ipex_train/elementwise.h": "include/ipex_train/elementwise.h",
+    "ipex_train/state_codec.h": "include/ipex_train/state_codec.h",
     **{f"ipex_train/updates/{k}.h": f"include/ipex_train/updates/{k}.h"
        for k in NAMES},
 }
