@@ -18,15 +18,21 @@ ops: the traced graph needs no ipex_train code to load or run.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import Counter
 
 import torch
+import torch.ao.nn.quantized as nnq
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._graph import ADD, METADATA, RELU, TRANSPARENT, inplace
+
+_KERNELS = {"Linear": torch.ops.quantized.linear, "LinearReLU": torch.ops.quantized.linear_relu,
+            "Conv1d": torch.ops.quantized.conv1d, "Conv2d": torch.ops.quantized.conv2d,
+            "Conv3d": torch.ops.quantized.conv3d, "ConvReLU1d": torch.ops.quantized.conv1d_relu,
+            "ConvReLU2d": torch.ops.quantized.conv2d_relu, "ConvReLU3d": torch.ops.quantized.conv3d_relu}
 
 
 class Int8Layer(nn.Module):
@@ -38,6 +44,9 @@ class Int8Layer(nn.Module):
         self.op_name, self.q = name, qmodule
         self.in_scale, self.in_zero_point = in_scale, in_zero_point
         self.out_quantized, self.relu, self.memory_format = out_quantized, relu, memory_format
+        # The quantized module's own kernel (quantized::conv2d_relu, quantized::linear, ...), called directly: its
+        # forward() only re-checks the input's rank, and this call is per layer per batch (batch-1 latency).
+        self._kernel, self._linear = _KERNELS[type(qmodule).__name__], isinstance(qmodule, nnq.Linear)
 
     def forward(self, x):
         with torch._C.DisableTorchFunction():  # the runtime mode must not dequantize this layer's own int8 calls
@@ -45,7 +54,9 @@ class Int8Layer(nn.Module):
                 x = Runtime.quantize(x, self.in_scale, self.in_zero_point)
             if self.memory_format is not None and not x.is_contiguous(memory_format=self.memory_format):
                 x = x.contiguous(memory_format=self.memory_format)  # channels-last: oneDNN's fast int8 layout
-            y = self.q.forward(x)  # skips a second Module.__call__ (hooks are not supported on it)
+            q = self.q
+            y = self._kernel(x, q._packed_params._packed_params if self._linear else q._packed_params, q.scale,
+                             q.zero_point)
             if not self.out_quantized:
                 return y.dequantize()
         Runtime.tag(y, self.op_name, self.relu)
@@ -92,7 +103,10 @@ class Runtime(TorchFunctionMode):
     def __init__(self, adds: dict[tuple, AddPlan], calls: Counter | None = None):
         super().__init__()
         self.adds, self.calls = adds, calls
-        self.flow = WeakIdKeyDictionary()  # int8 tensor -> (producer op name, relu already applied)
+        # id(int8 tensor) -> (weak reference, producer op name, relu already applied). A plain dict checked against
+        # the weak reference: WeakIdKeyDictionary's Python-level keys cost more per lookup than the kernels of a
+        # small layer at batch 1; a stale id (tensor freed, id reused) fails the identity check.
+        self._flow: dict[int, tuple] = {}
         self.last = None  # (fp32 tensor, its version, scale, zero point, int8 tensor) of the last quantization
 
     def __enter__(self):
@@ -125,7 +139,16 @@ class Runtime(TorchFunctionMode):
         """Record that int8 tensor ``y`` comes from op ``name`` (after its relu when ``relu``)."""
         rt = Runtime.active()
         if rt is not None:
-            rt.flow[y] = (name, relu)
+            rt.set_tag(y, name, relu)
+
+    def set_tag(self, y, name: str, relu: bool) -> None:
+        """Tag int8 tensor ``y`` with its producer op for the rest of this forward."""
+        self._flow[id(y)] = (weakref.ref(y), name, relu)
+
+    def get_tag(self, t):
+        """(producer op name, relu applied) of int8 tensor ``t``, or None."""
+        entry = self._flow.get(id(t))
+        return entry[1:] if entry is not None and entry[0]() is t else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -138,20 +161,20 @@ class Runtime(TorchFunctionMode):
         if name in METADATA:
             return func(*args, **kwargs)
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        tag = self.flow.get(first) if first is not None else None
+        tag = self.get_tag(first) if first is not None else None
         if name in ADD and not kwargs and len(args) == 2:
             plan = self._add_plan(args)
             if plan is not None:
                 y = plan(*args, in_place=inplace(name))
                 if y.is_quantized:
-                    self.flow[y] = (plan.name, plan.relu)
+                    self.set_tag(y, plan.name, plan.relu)
                 return y
         if name in RELU and tag is not None and tag[1]:
             return first
         if (name in RELU or name in TRANSPARENT) and first is not None and first.is_quantized:
             y = func(*args, **kwargs)
             if tag is not None and isinstance(y, torch.Tensor) and y.is_quantized:
-                self.flow[y] = (tag[0], name in RELU)
+                self.set_tag(y, tag[0], name in RELU)
             return y
         if inplace(name) and first is not None and first.is_quantized:
             raise RuntimeError(f"ipex_train.quantization: in-place {name} on an int8 tensor produced by "
@@ -165,7 +188,7 @@ class Runtime(TorchFunctionMode):
         a, b = args
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_quantized and b.is_quantized):
             return None
-        ta, tb = self.flow.get(a), self.flow.get(b)
+        ta, tb = self.get_tag(a), self.get_tag(b)
         if ta is None or tb is None or a.shape != b.shape:
             return None
         return self.adds.get((ta[0], tb[0]))
