@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import zlib
 
 import pytest
 import torch
@@ -50,7 +51,9 @@ def test_kernel_matches_reference(kind, name, overrides, layout, fmt):
     group = make_group(kind, name, **overrides)
     group[sf.GROUP_KEY] = FORMATS[fmt]
     entry = _registry.get(op_kind(kind))
-    stored = _params(layout, seed=hash((kind, name)) % 1000)
+    # A fixed seed per case: Python's str hash changes per process. Some draws put an L2-decayed grad within
+    # a few ulps of cancelling (|g + wd*p| ~ eps), where fp32 FMA vs separate rounding moves the update ~1e-4.
+    stored = _params(layout, seed=zlib.crc32(f"{kind}/{name}".encode()) % 1000)
     params = [p for p, _ in stored]
     aux = [a for _, a in stored]
     state: dict = {p: {} for p in params}
