@@ -312,16 +312,23 @@ def test_config_round_trips_the_option():
 # ---------------------------------------------------------------------------------------------------------------
 # Real data: scikit-learn's digits (shipped with it), an MLP whose three weight matrices (16k, 64k, 2.5k elements)
 # have reduced state and whose biases keep fp32 state; 6 epochs, cosine LR, against the fp32-state run.
+# Four initialisations: with the init alone one run's final loss moves by up to ~1% against its fp32-state twin
+# (measured, AdamW int8 state: -0.28%, +1.20%, -0.17%, -0.21% for seeds 0-3), so the target (within 1%) is held
+# by the mean over seeds, where a systematic bias shows: the square-law first-moment map this format had before
+# gave Lamb +1.36%, +0.89%, +0.54%, +1.62% (mean +1.10%, failing).
+
+DIGITS_SEEDS = (0, 1, 2, 3)
+
 
 @functools.lru_cache(maxsize=None)  # the fp32-state run is shared by both formats
-def _digits_run(opt_name: str, state_dtype) -> tuple[float, float]:
+def _digits_run(opt_name: str, state_dtype, seed: int) -> tuple[float, float]:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     d = load_digits()
     x, y = torch.tensor(d.data, dtype=torch.float32) / 16.0, torch.tensor(d.target)
     train, test = train_test_split(range(len(y)), test_size=0.25, random_state=0, stratify=d.target)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
     if opt_name == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
@@ -347,13 +354,11 @@ def _digits_run(opt_name: str, state_dtype) -> tuple[float, float]:
 
 
 _DIGITS_CASES = [pytest.param(o, f, id=f"{o}-{f}") for o in ("adamw", "sgd", "lamb") for f in FORMATS]
-_DIGITS_CASES[-1] = pytest.param("lamb", "int8", id="lamb-int8", marks=pytest.mark.xfail(
-    strict=True, reason="measured +1.36% final loss (target 1%): Lamb's second pass reads the rounded moments"))
 
 
 @pytest.mark.parametrize("opt_name,fmt", _DIGITS_CASES)
 def test_digits_reduced_state_matches_fp32_state(opt_name, fmt):
-    loss32, acc32 = _digits_run(opt_name, None)
-    loss, acc = _digits_run(opt_name, FORMATS[fmt])
-    assert abs(loss / loss32 - 1) <= 0.01, (loss, loss32)
-    assert abs(acc - acc32) <= 0.5, (acc, acc32)
+    runs = [(_digits_run(opt_name, None, s), _digits_run(opt_name, FORMATS[fmt], s)) for s in DIGITS_SEEDS]
+    rel = [loss / loss32 - 1 for (loss32, _), (loss, _) in runs]
+    assert abs(sum(rel) / len(rel)) <= 0.01, rel
+    assert all(abs(acc - acc32) <= 0.5 for (_, acc32), (_, acc) in runs), runs

@@ -9,8 +9,9 @@ steps store that group's state:
   value stochastically (unbiased; random bits from a hash of the group's ``state_seed``, its step count, the
   parameter's position in the call and the element index), so small updates are not lost on average.
 * ``"int8"``: a packed 1-D tensor, per block of 256 elements one fp32 scale (the block's absmax) then one code per
-  element (2.03 bytes per element for two moments): int8 codes on a square-law map for signed state (first
-  moments, momentum), uint8 codes on the square root of the value for non-negative state (second moments).
+  element (2.03 bytes per element for two moments), on a fourth-power map (value = scale * (code / levels)^4):
+  int8 codes (127 levels each side) for signed state (first moments, momentum), uint8 codes (255 levels) for
+  non-negative state (second moments).
 
 Parameters with fewer than :data:`MIN_NUMEL` elements (biases, norms) keep fp32 state. The C++ side is
 kernels_cpu/include/ipex_train/state_codec.h; :func:`encode` and :func:`decode` give the same bits as its int8
@@ -104,7 +105,7 @@ def encode(x: Tensor, p: Tensor, fmt: Format, signed: bool) -> Tensor:
     value = blocks.abs() if signed else torch.where(blocks > 0, blocks, 0.0)
     r = value / safe
     r = torch.where(r < 1.0, r, 1.0)
-    y = r.sqrt() * 127.0 if signed else r.sqrt().sqrt() * 255.0
+    y = r.sqrt().sqrt() * (127.0 if signed else 255.0)
     q = (y + 0.5).to(torch.int32)
     out = torch.empty(4 * nb + n, dtype=torch.int8 if signed else torch.uint8)
     out[: 4 * nb].view(torch.float32).copy_(scale)
@@ -125,7 +126,7 @@ def decode(t: Tensor, p: Tensor) -> Tensor:
     q[:n] = t[4 * nb:].to(torch.int32)
     q = q.view(nb, Q8_BLOCK)
     u = q.abs().to(torch.float32) / (127.0 if signed else 255.0)
-    mag = (u * u) * scale.unsqueeze(1) if signed else ((u * u) * (u * u)) * scale.unsqueeze(1)
+    mag = ((u * u) * (u * u)) * scale.unsqueeze(1)
     _flat(out).copy_((torch.where(q < 0, -mag, mag) if signed else mag).reshape(-1)[:n])
     return out
 
