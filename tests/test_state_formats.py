@@ -78,7 +78,7 @@ def test_kernel_matches_reference(kind, name, overrides, layout, fmt):
                 # Lamb's second pass reads the moments as stored, i.e. rounded: its update is as close to the
                 # reference's as the stored state is to the exact one.
                 # bf16: every element within 1%; int8: 99% within 10% (small second moments are coarse on the
-                # square-root map, and Adam-style directions m / sqrt(v) do not shrink with them).
+                # fourth-power map, and Adam-style directions m / sqrt(v) do not shrink with them).
                 ref_update = w_ref[i] - w_before[i]
                 err = (working(layout, p, aux[i]) - w_before[i] - ref_update).abs()
                 top = float(ref_update.abs().max())
@@ -150,7 +150,7 @@ def test_int8_encode_decode_encode_is_exact(signed):
     q = sf.encode(x.view(100, 100), p, "int8", signed)
     back = sf.decode(q, p)
     assert torch.equal(sf.encode(back, p, "int8", signed), q)
-    # The map's resolution: within half a code step of the square-law (square-root-law) grid around each value.
+    # The map's resolution: within half a code step of the fourth-power grid around each value.
     scale = back.view(-1)[256:512].abs().max()
     assert float(scale) == float(x[256:512].abs().max())
     err = (back.view(-1) - x).abs() / x.abs().clamp_min(1e-30)
