@@ -4,7 +4,8 @@
 // The per-element math is not here: it is kernels_cpu's headers (ipex_train/elementwise.h with the storage layouts
 // and the step of one element, updates/*.h, convert.h), handed to the compiler as include_files, so the CPU loops
 // and these kernels run the same code. What this file adds is the device side of kernels_cpu/src/loops.h: one
-// element per work-item, and work-group sums of squares for the two-pass optimizers (Lamb, Lars).
+// element per work-item, work-group sums of squares for the two-pass optimizers (Lamb, Lars), and the staging of
+// reduced-byte state through ipex_train/state_codec.h.
 //
 // The host prepends `#define ITX_REAL float` (every layout but float64) or `double` (float64, only on devices with
 // fp64). It cannot be a template parameter: a free-function kernel taking a struct whose type depends on a
@@ -50,6 +51,57 @@ static inline void group_sums(real a, real b, real* partial) {
   }
 }
 
+// Reduced-byte optimizer state (ipex_train/state_codec.h), the device side of kernels_cpu/src/loops.h's staged():
+// a work-item takes STAGE elements, decodes their state into private fp32 scratch with codec::decode, runs the
+// optimizer's element step on that scratch as if the state were fp32, and encodes it back with codec::encode. The
+// formats' math is state_codec.h's alone, so the bits are the CPU kernels'. STAGE is 1 when every reduced state
+// list is bf16 (one element per work-item, as the fp32 kernels), and kQ8Block with int8 state: one work-item per
+// block, which computes the block's absmax scale alone (no work-group reduction, no barrier). Measured on the SYCL
+// CPU device (README, SYCL section): the staging, not the formats, is what costs there; the runtime vectorizes
+// these kernels with gathers and scatters where the fp32 ones get plain vector loads.
+template <int L>
+constexpr int64_t kParamBytes = Layout(L) == Layout::kF32 ? 4 : 2;  // reduced state never has a float64 layout
+template <int L>
+constexpr int64_t kAuxBytes = Layout(L) == Layout::kSplitBF16 ? 2 : 4;
+
+static inline void* skip(const void* p, int64_t bytes) {
+  return p == nullptr ? nullptr : const_cast<char*>(static_cast<const char*>(p)) + bytes;
+}
+
+// Runs run(s) on elements [first, first + STAGE) of c (fewer at its end) as the chunk s with fp32 state.
+template <int L, int STAGE, class Run>
+static inline void staged(const Chunk& c, int64_t first, const Run& run) {
+  static_assert(STAGE == 1 || STAGE == kQ8Block, "int8 state needs whole blocks per work-item");
+  const int64_t m = STAGE == 1 ? 1 : c.n - first < STAGE ? c.n - first : STAGE;
+  float scratch[3][STAGE];
+  void* codes[3] = {nullptr, nullptr, nullptr};
+  float* scales[3] = {nullptr, nullptr, nullptr};
+  Chunk s = c;
+  s.n = m;
+  s.first = first;
+  s.param = skip(c.param, first * kParamBytes<L>);
+  s.aux = skip(c.aux, first * kAuxBytes<L>);
+  s.grad = skip(c.grad, first * kParamBytes<L>);
+#pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    if (c.state[k] == nullptr) continue;
+    if (c.codec[k] == StateCodec::kPlain) {
+      s.state[k] = skip(c.state[k], first * 4);
+      continue;
+    }
+    codes[k] = skip(c.state[k], c.codec[k] == StateCodec::kBF16 ? 2 * first : first);
+    if (c.scales[k] != nullptr) scales[k] = c.scales[k] + first / kQ8Block;
+    // STAGE 1 holds bf16 state only (the host's choice): a constant format lets the compiler drop the int8 paths.
+    codec::decode(STAGE == 1 ? StateCodec::kBF16 : c.codec[k], codes[k], scales[k], scratch[k], m);
+    s.state[k] = scratch[k];
+  }
+  run(s);
+#pragma unroll
+  for (int k = 0; k < 3; ++k)
+    if (codes[k] != nullptr)
+      codec::encode(STAGE == 1 ? StateCodec::kBF16 : c.codec[k], scratch[k], codes[k], scales[k], m, c.key, first);
+}
+
 // Opt::norms, named through Opt so that only the first-pass kernels of two-pass optimizers (the ones instantiated)
 // need it.
 template <class Opt, int L>
@@ -59,7 +111,9 @@ static inline void norms(const Chunk& c, size_t i, const typename Opt::template 
 
 // Per optimizer of ITR_OPTIMIZERS (optimizers.h): itx::<name><layout, variant>, apply<variant> on one element per
 // work-item, and itx::<name>_norms<layout>, the first pass of two-pass optimizers (instantiated only for those: the
-// host registers the names it uses). The coefficient type is spelled out, not a template parameter (see above).
+// host registers the names it uses); with reduced-byte state itx::<name>_staged<layout, variant, STAGE> and
+// itx::<name>_norms_staged<layout, STAGE>, the same over staged(). The coefficient type is spelled out, not a
+// template parameter (see above).
 #define ITX_STEP(name, args)                                                                     \
   template <int L, int V>                                                                        \
   ITX_KERNEL void name(Chunk c, fused::name::Coef<real> k) {                                     \
@@ -72,6 +126,31 @@ static inline void norms(const Chunk& c, size_t i, const typename Opt::template 
     real a = 0, b = 0;                                                                           \
     if (i < size_t(c.n)) norms<fused::name, L>(c, i, k, a, b);                                   \
     group_sums(a * a, b * b, partial);                                                           \
+  }                                                                                              \
+  template <int L, int V, int STAGE>                                                             \
+  ITX_KERNEL void name##_staged(Chunk c, fused::name::Coef<real> k) {                            \
+    const int64_t first = int64_t(global_id()) * STAGE;                                          \
+    if (first < c.n)                                                                             \
+      staged<L, STAGE>(c, first, [&](const Chunk& s) {                                           \
+        const auto st = storage_of<L>(s);                                                        \
+        const auto state = state_of<real>(s);                                                    \
+        for (int64_t j = 0; j < s.n; ++j) fused::name::apply<V>(st, state, j, k);                \
+      });                                                                                        \
+  }                                                                                              \
+  template <int L, int STAGE>                                                                    \
+  ITX_KERNEL void name##_norms_staged(Chunk c, fused::name::Coef<real> k, real* partial) {       \
+    const int64_t first = int64_t(global_id()) * STAGE;                                          \
+    real sa = 0, sb = 0;                                                                         \
+    if (first < c.n)                                                                             \
+      staged<L, STAGE>(c, first, [&](const Chunk& s) {                                           \
+        for (int64_t j = 0; j < s.n; ++j) {                                                      \
+          real a, b;                                                                             \
+          norms<fused::name, L>(s, j, k, a, b);                                                  \
+          sa += a * a;                                                                           \
+          sb += b * b;                                                                           \
+        }                                                                                        \
+      });                                                                                        \
+    group_sums(sa, sb, partial);                                                                 \
   }
 ITR_OPTIMIZERS(ITX_STEP)
 #undef ITX_STEP
