@@ -238,8 +238,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         optimizer_state_dtype: training only. None/torch.float32 (fp32 optimizer state), torch.bfloat16 (bf16 state
             with stochastic rounding) or "int8" (block-wise 8-bit state): sets the ``state_dtype`` key of every
             param group that has none (a group with ``state_dtype=torch.float32`` keeps fp32 state, e.g. for
-            embeddings); parameters under 4096 elements keep fp32 state. Needs a fused step on the CPU (not with
-            sycl, fuse_update_step=False or an optimizer without one). state_dict() still holds fp32 state.
+            embeddings); parameters under 4096 elements keep fp32 state. Needs a fused step, on the CPU or with
+            sycl (not with fuse_update_step=False or an optimizer without one). state_dict() still holds fp32 state.
         config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through sycl), instead of
             passing them one by one; a keyword argument given next to it must agree with it.
 
