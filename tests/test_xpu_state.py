@@ -22,14 +22,13 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import ipex_train
 import ipex_train.xpu as sx
 from ipex_train.optim import _fused, _registry
 from ipex_train.optim import _state_formats as sf
 from test_kernels import make_group, op_kind, to_storage, working
-from test_state_formats import FORMATS, SHAPES, STATE_CASES, check_against_reference
+from test_state_formats import FORMATS, SHAPES, STATE_CASES, _mlp, _train, check_against_reference
 
 if not sx.is_available():
     pytest.skip(f"no SYCL device for kernels_xpu: {sx.unavailable_reason()}", allow_module_level=True)
@@ -159,25 +158,11 @@ def test_host_refuses_bad_state_formats_naming_the_argument(queue):
 # ---------------------------------------------------------------------------------------------------------------
 # optimize(sycl=True, optimizer_state_dtype=...) against optimize(sycl=False), with a state_dict round trip
 
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 10))  # 6144-element weight: reduced state
-
-
 def _optimized(opt_name, fmt, sycl, dtype=torch.bfloat16):
-    model = _model()
+    model = _mlp()  # an 8192-element weight with reduced state; the rest keeps fp32 state
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01) if opt_name == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     return ipex_train.optimize(model, opt, dtype=dtype, sycl=sycl, optimizer_state_dtype=FORMATS[fmt])
-
-
-def _train(model, opt, steps, seed):
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x, y = torch.randn(12, 64, generator=gen), torch.randint(0, 10, (12,), generator=gen)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x).float(), y).backward()
-        opt.step()
 
 
 def _same(model, opt, ref_model, ref_opt):

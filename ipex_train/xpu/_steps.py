@@ -62,9 +62,10 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
     Arguments mirror :func:`ipex_train.optim._fused.fused_step`: hyper-parameters come from ``group`` with
     torch.optim's key names, ``state`` is the optimizer's per-parameter state (missing entries are created as the
     CPU step creates them and kept in USM shared memory; the group's ``state_dtype`` picks their format and the
-    bits are the CPU step's), ``aux`` is per parameter None, an int16 residual (split bf16) or a float32 master. ``params``, ``aux`` and ``grads`` must be contiguous USM-backed CPU tensors of the
-    queue's context (:func:`to_usm`, :func:`module_to_usm`, :func:`usm_grads`); other memory is refused with
-    ValueError. Torch XPU tensors (a torch build with XPU) run on torch's current SYCL queue instead.
+    bits are the CPU step's), ``aux`` is per parameter None, an int16 residual (split bf16) or a float32 master.
+    ``params``, ``aux`` and ``grads`` must be contiguous USM-backed CPU tensors of the queue's context
+    (:func:`to_usm`, :func:`module_to_usm`, :func:`usm_grads`); other memory is refused with ValueError. Torch XPU
+    tensors (a torch build with XPU) run on torch's current SYCL queue instead.
     """
     op = f"ipex_train.xpu.fused_step({kind!r})"
     entry = _registry.get(kind)
