@@ -56,57 +56,71 @@ static inline void group_sums(real a, real b, real* partial) {
 // optimizer's element step on that scratch as if the state were fp32, and encodes it back with codec::encode. The
 // formats' math is state_codec.h's alone, so the bits are the CPU kernels'. STAGE is 1 when every reduced state
 // list is bf16 (one element per work-item, as the fp32 kernels), and kQ8Block with int8 state: one work-item per
-// block, which computes the block's absmax scale alone (no work-group reduction, no barrier). Measured on the SYCL
-// CPU device (README, SYCL section): the staging, not the formats, is what costs there; the runtime vectorizes
-// these kernels with gathers and scatters where the fp32 ones get plain vector loads.
+// block, which computes the block's absmax scale alone (no work-group reduction, no barrier; its work-items are a
+// block apart, so the CPU device's vectorizer, which runs work-items in SIMD lanes, reads them with gathers).
 template <int L>
 constexpr int64_t kParamBytes = Layout(L) == Layout::kF32 ? 4 : 2;  // reduced state never has a float64 layout
 template <int L>
 constexpr int64_t kAuxBytes = Layout(L) == Layout::kSplitBF16 ? 2 : 4;
 
+// p plus `bytes`; p is never null here. A null check (a select) made the CPU device's vectorizer read and write
+// every offset pointer with gathers and scatters (bf16 state 2.3x slower, measured).
 static inline void* skip(const void* p, int64_t bytes) {
-  return p == nullptr ? nullptr : const_cast<char*>(static_cast<const char*>(p)) + bytes;
+  return const_cast<char*>(static_cast<const char*>(p)) + bytes;
 }
 
-// Runs run(s) on elements [first, first + STAGE) of c (fewer at its end) as the chunk s with fp32 state.
+static inline int64_t code_bytes(StateCodec f, int64_t n) { return f == StateCodec::kBF16 ? 2 * n : n; }
+
+// The scale of element `first`'s int8 block in state list k (null for bf16 state).
+static inline float* scales_at(const Chunk& c, int k, int64_t first) {
+  return c.scales[k] == nullptr ? nullptr : c.scales[k] + first / kQ8Block;
+}
+
+// State list k of elements [first, first + m) of c as fp32: its fp32 array, or scratch holding the reduced state
+// decoded by codec::decode; null where the list is absent.
+template <int STAGE>
+static inline float* stage_state(const Chunk& c, int k, int64_t first, int64_t m, float* scratch) {
+  if (c.state[k] == nullptr) return nullptr;
+  if (c.codec[k] == StateCodec::kPlain) return static_cast<float*>(skip(c.state[k], first * 4));
+  // STAGE 1 holds bf16 state only (the host's choice): a constant format lets the compiler drop the int8 paths.
+  const StateCodec f = STAGE == 1 ? StateCodec::kBF16 : c.codec[k];
+  codec::decode(f, skip(c.state[k], code_bytes(f, first)), scales_at(c, k, first), scratch, m);
+  return scratch;
+}
+
+// Encodes scratch back into reduced state list k (nothing for fp32 or absent state).
+template <int STAGE>
+static inline void unstage_state(const Chunk& c, int k, int64_t first, int64_t m, const float* scratch) {
+  if (c.state[k] == nullptr || c.codec[k] == StateCodec::kPlain) return;
+  const StateCodec f = STAGE == 1 ? StateCodec::kBF16 : c.codec[k];
+  codec::encode(f, scratch, skip(c.state[k], code_bytes(f, first)), scales_at(c, k, first), m, c.key, first);
+}
+
+// Runs run(st, state, m) on elements [first, first + STAGE) of c, m of them (fewer at its end): st their storage
+// layout, state their state as fp32 arrays. Each state list is handled by its own call, with no array indexed by
+// the list: a private Chunk with such arrays kept the pointers in memory per work-item, which the CPU device's
+// vectorizer read and wrote with gathers and scatters (bf16 state 1.8x slower, measured).
 template <int L, int STAGE, class Run>
 static inline void staged(const Chunk& c, int64_t first, const Run& run) {
   static_assert(STAGE == 1 || STAGE == kQ8Block, "int8 state needs whole blocks per work-item");
   const int64_t m = STAGE == 1 ? 1 : c.n - first < STAGE ? c.n - first : STAGE;
-  float scratch[3][STAGE];
-  void* codes[3] = {nullptr, nullptr, nullptr};
-  float* scales[3] = {nullptr, nullptr, nullptr};
-  Chunk s = c;
-  s.n = m;
-  s.first = first;
-  s.param = skip(c.param, first * kParamBytes<L>);
-  s.aux = skip(c.aux, first * kAuxBytes<L>);
-  s.grad = skip(c.grad, first * kParamBytes<L>);
-#pragma unroll
-  for (int k = 0; k < 3; ++k) {
-    if (c.state[k] == nullptr) continue;
-    if (c.codec[k] == StateCodec::kPlain) {
-      s.state[k] = skip(c.state[k], first * 4);
-      continue;
-    }
-    codes[k] = skip(c.state[k], c.codec[k] == StateCodec::kBF16 ? 2 * first : first);
-    if (c.scales[k] != nullptr) scales[k] = c.scales[k] + first / kQ8Block;
-    // STAGE 1 holds bf16 state only (the host's choice): a constant format lets the compiler drop the int8 paths.
-    codec::decode(STAGE == 1 ? StateCodec::kBF16 : c.codec[k], codes[k], scales[k], scratch[k], m);
-    s.state[k] = scratch[k];
-  }
-  run(s);
-#pragma unroll
-  for (int k = 0; k < 3; ++k)
-    if (codes[k] != nullptr)
-      codec::encode(STAGE == 1 ? StateCodec::kBF16 : c.codec[k], scratch[k], codes[k], scales[k], m, c.key, first);
+  float s0[STAGE], s1[STAGE], s2[STAGE];
+  Chunk p{skip(c.param, first * kParamBytes<L>), nullptr, skip(c.grad, first * kParamBytes<L>), {}, m};
+  if constexpr (Layout(L) != Layout::kF32) p.aux = skip(c.aux, first * kAuxBytes<L>);
+  const State<float> state{stage_state<STAGE>(c, 0, first, m, s0), stage_state<STAGE>(c, 1, first, m, s1),
+                           stage_state<STAGE>(c, 2, first, m, s2)};
+  run(storage_of<L>(p), state, m);
+  unstage_state<STAGE>(c, 0, first, m, s0);
+  unstage_state<STAGE>(c, 1, first, m, s1);
+  unstage_state<STAGE>(c, 2, first, m, s2);
 }
 
 // Opt::norms, named through Opt so that only the first-pass kernels of two-pass optimizers (the ones instantiated)
 // need it.
-template <class Opt, int L>
-static inline void norms(const Chunk& c, size_t i, const typename Opt::template Coef<real>& k, real& a, real& b) {
-  Opt::norms(storage_of<L>(c), state_of<real>(c), i, k, a, b);
+template <class Opt, class S>
+static inline void norms(const S& st, const State<real>& s, int64_t i, const typename Opt::template Coef<real>& k,
+                         real& a, real& b) {
+  Opt::norms(st, s, i, k, a, b);
 }
 
 // Per optimizer of ITR_OPTIMIZERS (optimizers.h): itx::<name><layout, variant>, apply<variant> on one element per
@@ -124,17 +138,15 @@ static inline void norms(const Chunk& c, size_t i, const typename Opt::template 
   ITX_KERNEL void name##_norms(Chunk c, fused::name::Coef<real> k, real* partial) {              \
     const size_t i = global_id();                                                                \
     real a = 0, b = 0;                                                                           \
-    if (i < size_t(c.n)) norms<fused::name, L>(c, i, k, a, b);                                   \
+    if (i < size_t(c.n)) norms<fused::name>(storage_of<L>(c), state_of<real>(c), i, k, a, b);    \
     group_sums(a * a, b * b, partial);                                                           \
   }                                                                                              \
   template <int L, int V, int STAGE>                                                             \
   ITX_KERNEL void name##_staged(Chunk c, fused::name::Coef<real> k) {                            \
     const int64_t first = int64_t(global_id()) * STAGE;                                          \
     if (first < c.n)                                                                             \
-      staged<L, STAGE>(c, first, [&](const Chunk& s) {                                           \
-        const auto st = storage_of<L>(s);                                                        \
-        const auto state = state_of<real>(s);                                                    \
-        for (int64_t j = 0; j < s.n; ++j) fused::name::apply<V>(st, state, j, k);                \
+      staged<L, STAGE>(c, first, [&](const auto& st, const State<real>& state, int64_t m) {      \
+        for (int64_t j = 0; j < m; ++j) fused::name::apply<V>(st, state, j, k);                  \
       });                                                                                        \
   }                                                                                              \
   template <int L, int STAGE>                                                                    \
@@ -142,10 +154,10 @@ static inline void norms(const Chunk& c, size_t i, const typename Opt::template 
     const int64_t first = int64_t(global_id()) * STAGE;                                          \
     real sa = 0, sb = 0;                                                                         \
     if (first < c.n)                                                                             \
-      staged<L, STAGE>(c, first, [&](const Chunk& s) {                                           \
-        for (int64_t j = 0; j < s.n; ++j) {                                                      \
+      staged<L, STAGE>(c, first, [&](const auto& st, const State<real>& state, int64_t m) {      \
+        for (int64_t j = 0; j < m; ++j) {                                                        \
           real a, b;                                                                             \
-          norms<fused::name, L>(s, j, k, a, b);                                                  \
+          norms<fused::name>(st, state, j, k, a, b);                                             \
           sa += a * a;                                                                           \
           sb += b * b;                                                                           \
         }                                                                                        \
