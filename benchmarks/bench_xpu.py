@@ -4,12 +4,14 @@ CPU driver) against kernels_cpu and torch's fused Adam, in the same process on t
     python -m benchmarks.bench_xpu [--quick] [--json PATH]
 
 All three run on the same cores: the SYCL CPU device is a SYCL runtime on the host CPU, not an accelerator. Times
-are per optimizer step (median over timed steps, after warm-up steps that also compile the kernels).
+are per optimizer step (median over timed steps, after warm-up steps that also compile the kernels). The split-bf16
+AdamW rows, with fp32, bf16 and int8 optimizer state on both devices, are timed interleaved step by step.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import statistics
 import time
@@ -29,6 +31,19 @@ def _time(fn, warmup: int, iters: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+def _time_interleaved(fns: dict, warmup: int, iters: int) -> dict[str, float]:
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(iters):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def _adam_group(decoupled: bool) -> dict:
@@ -62,17 +77,18 @@ def run(args) -> dict:
     opt = torch.optim.Adam([p_t], lr=1e-3, weight_decay=0.01, fused=True)
     results["adam_fp32_torch_fused_ms"] = _time(opt.step, warmup, iters)
 
-    # split-bf16 AdamW: bf16 top + int16 residual, bf16 grad, fp32 state.
-    group = _adam_group(decoupled=True)
+    # split-bf16 AdamW: bf16 top + int16 residual, bf16 grad; fp32, bf16 (stochastic rounding) or int8 state.
     top, res = ipex_train._ops.split_bf16(w)
     gb = g.bfloat16()
-    top_dev, res_dev, gb_dev = sx.to_usm(top, q), sx.to_usm(res, q), sx.to_usm(gb, q)
-    st_dev = collections.defaultdict(dict)
-    results["adamw_split_bf16_sycl_cpu_device_ms"] = _time(
-        lambda: sx.fused_step("adam", group, st_dev, [top_dev], [res_dev], [gb_dev], q), warmup, iters)
-    top_cpu, res_cpu, st_cpu = top.clone(), res.clone(), collections.defaultdict(dict)
-    results["adamw_split_bf16_kernels_cpu_ms"] = _time(
-        lambda: _fused.fused_step("adam", group, st_cpu, [top_cpu], [res_cpu], [gb]), warmup, iters)
+    steps = {}
+    for state_name, state_dtype in (("", None), ("_bf16_state", torch.bfloat16), ("_int8_state", "int8")):
+        group = dict(_adam_group(decoupled=True), state_dtype=state_dtype)
+        top_dev, res_dev, gb_dev = sx.to_usm(top, q), sx.to_usm(res, q), sx.to_usm(gb, q)
+        steps[f"adamw_split_bf16{state_name}_sycl_cpu_device_ms"] = functools.partial(
+            sx.fused_step, "adam", dict(group), collections.defaultdict(dict), [top_dev], [res_dev], [gb_dev], q)
+        steps[f"adamw_split_bf16{state_name}_kernels_cpu_ms"] = functools.partial(
+            _fused.fused_step, "adam", dict(group), collections.defaultdict(dict), [top.clone()], [res.clone()], [gb])
+    results.update(_time_interleaved(steps, warmup, iters))
 
     dev = q.sycl_device
     return {
@@ -93,7 +109,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     out = run(args)
     for key, ms in out["results_ms"].items():
-        print(f"{key:40s} {ms:9.2f} ms")
+        print(f"{key:48s} {ms:9.2f} ms")
     print(f"({out['elements']:,} elements, {out['sycl_device']}, torch threads {out['torch_threads']}, "
           f"kernels_cpu variant {out['kernel_variant']})")
     if args.json:

@@ -118,7 +118,7 @@ def _step_backend(sycl: bool | None, training: bool):
         raise RuntimeError(f"optimize(): {e}") from None
 
 
-def _check_state_dtype(state_dtype, optimizer, flags: Flags, backend) -> None:
+def _check_state_dtype(state_dtype, optimizer, flags: Flags) -> None:
     """Raise unless the optimizer state can be kept in ``state_dtype`` (and every group's own choice is valid)."""
     wanted = {state_dtype} | {_state_formats.parse(g.get(_state_formats.GROUP_KEY),
                                                    f"optimize(): param group {i} key {_state_formats.GROUP_KEY!r}")
@@ -126,8 +126,6 @@ def _check_state_dtype(state_dtype, optimizer, flags: Flags, backend) -> None:
     if wanted == {None}:
         return
     name = f"optimize(): optimizer_state_dtype={state_dtype!r} (or a param group's state_dtype)"
-    if backend is not None:
-        raise ValueError(f"{name}: reduced-byte optimizer state is not implemented for the SYCL step; use sycl=False")
     if not flags.fuse_update_step or fused_kind(user_class(optimizer)) is None:
         raise ValueError(f"{name} needs the fused step: SGD, Adam, AdamW, Adagrad, Lamb or Lars with "
                          "fuse_update_step left on")
@@ -240,8 +238,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         optimizer_state_dtype: training only. None/torch.float32 (fp32 optimizer state), torch.bfloat16 (bf16 state
             with stochastic rounding) or "int8" (block-wise 8-bit state): sets the ``state_dtype`` key of every
             param group that has none (a group with ``state_dtype=torch.float32`` keeps fp32 state, e.g. for
-            embeddings); parameters under 4096 elements keep fp32 state. Needs a fused step on the CPU (not with
-            sycl, fuse_update_step=False or an optimizer without one). state_dict() still holds fp32 state.
+            embeddings); parameters under 4096 elements keep fp32 state. Needs a fused step, on the CPU or with
+            sycl (not with fuse_update_step=False or an optimizer without one). state_dict() still holds fp32 state.
         config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through sycl), instead of
             passing them one by one; a keyword argument given next to it must agree with it.
 
@@ -274,7 +272,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         compute_policy.resolve(bf16_compute)  # raises for a bad value before anything changes
     backend = _step_backend(config.sycl, training=optimizer is not None)
     if optimizer is not None:
-        _check_state_dtype(config.optimizer_state_dtype, optimizer, flags, backend)
+        _check_state_dtype(config.optimizer_state_dtype, optimizer, flags)
     if config.step_in_backward:
         _check_release(optimizer)
 

@@ -48,12 +48,20 @@ def _bf16_neighbours_hold(stored: torch.Tensor, ref: torch.Tensor) -> bool:
 @pytest.mark.parametrize("kind,name,overrides", STATE_CASES, ids=[f"{k}-{n}" for k, n, _ in STATE_CASES])
 def test_kernel_matches_reference(kind, name, overrides, layout, fmt):
     # One kernel variant here; test_variants_bit_identical holds the others to the same bits.
+    check_against_reference(kind, name, overrides, layout, fmt)
+
+
+def check_against_reference(kind, name, overrides, layout, fmt, step_fn=_fused.fused_step, place=lambda t: t):
+    """Two steps of ``step_fn`` (``_fused.fused_step`` or the SYCL one) with ``fmt`` state against the reference,
+    within the module docstring's tolerances; ``place`` puts the stored params, aux and grads where ``step_fn`` takes
+    them (USM for the SYCL step)."""
     group = make_group(kind, name, **overrides)
     group[sf.GROUP_KEY] = FORMATS[fmt]
     entry = _registry.get(op_kind(kind))
     # A fixed seed per case: Python's str hash changes per process. Some draws put an L2-decayed grad within
     # a few ulps of cancelling (|g + wd*p| ~ eps), where fp32 FMA vs separate rounding moves the update ~1e-4.
-    stored = _params(layout, seed=zlib.crc32(f"{kind}/{name}".encode()) % 1000)
+    stored = [(place(p), None if a is None else place(a))
+              for p, a in _params(layout, seed=zlib.crc32(f"{kind}/{name}".encode()) % 1000)]
     params = [p for p, _ in stored]
     aux = [a for _, a in stored]
     state: dict = {p: {} for p in params}
@@ -61,7 +69,7 @@ def test_kernel_matches_reference(kind, name, overrides, layout, fmt):
     gen = torch.Generator().manual_seed(1)
     for step in range(2):
         w_ref = [working(layout, p, a).clone() for p, a in stored]
-        grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+        grads = [place(torch.randn(p.shape, generator=gen).to(p.dtype)) for p in params]
         # The reference starts each step from the state the kernel stored (the first from the initial state as
         # the kernel stores it: Adagrad's initial_accumulator_value need not be a bf16 value).
         for spec in entry.state:
@@ -71,7 +79,7 @@ def test_kernel_matches_reference(kind, name, overrides, layout, fmt):
                               sf.convert(t.float(), p, sf.wanted(group, p), spec.signed), p)
                     for p, t in zip(params, ref_state[spec.key])]
         w_before = [w.clone() for w in w_ref]
-        _fused.fused_step(op_kind(kind), group, state, params, aux, grads)
+        step_fn(op_kind(kind), group, state, params, aux, grads)
         reference_step(op_kind(kind), group, w_ref, [g.float() for g in grads], ref_state)
         for i, p in enumerate(params):
             if kind == "lamb" and p.numel() >= sf.MIN_NUMEL:

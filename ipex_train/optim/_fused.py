@@ -141,5 +141,5 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
     found = entry_lists(entry, group, state, params)
     check_step_args(entry.op_name, params, aux, grads, {s.arg: found[s.key] for s in entry.state if found[s.key]},
                     found.get("step"))
-    key = _state_formats.rounding_key(group) if _state_formats.parse(group.get(_state_formats.GROUP_KEY), "") else 0
-    getattr(ops, f"{kind}_step")(params, aux, grads, *kernel_lists(entry, found), *entry.kernel_args(group), key)
+    getattr(ops, f"{kind}_step")(params, aux, grads, *kernel_lists(entry, found), *entry.kernel_args(group),
+                                 _state_formats.call_key(group))

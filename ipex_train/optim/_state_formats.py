@@ -32,6 +32,8 @@ SEED_KEY = "state_seed"
 ROUNDS_KEY = "state_rounds"  # fused steps taken by the group with bf16 state (part of the rounding key)
 MIN_NUMEL = 4096
 Q8_BLOCK = 256  # kQ8Block in state_codec.h
+# StateCodec in state_codec.h by state tensor dtype (the SYCL host takes it per tensor; fp32/fp64 state is 0).
+CODECS = {torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
 
 Format = Union[torch.dtype, str, None]
 _NAMES = {"int8": "int8", "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": None, "float32": None}
@@ -145,6 +147,12 @@ def rounding_key(group: dict[str, Any]) -> int:
     group[ROUNDS_KEY] = rounds
     seed = int(group.get(SEED_KEY, 0))
     return ((seed & 0x7FFFFFFF) << 32 | (rounds & 0xFFFFFFFF))
+
+
+def call_key(group: dict[str, Any]) -> int:
+    """The ``state_key`` argument of one fused call for ``group`` (CPU or SYCL): :func:`rounding_key` when the group
+    keeps reduced-byte state, else 0."""
+    return rounding_key(group) if parse(group.get(GROUP_KEY), f"param group key {GROUP_KEY!r}") is not None else 0
 
 
 def fp32_state_dict(optimizer: torch.optim.Optimizer, packed: dict[str, Any]) -> dict[str, Any]:

@@ -198,10 +198,11 @@ class TrainingOptimizer(torch.optim.Optimizer):
             p = id_map.get(saved_id)
             if p is not None:
                 state[p] = _normalised(entry, p, clone=False)
-                if self._ipex_sycl is not None:
-                    self._ipex_sycl.place_state(state[p])
         if self._fused_kind is not None and self._ipex_fuse:
             _fused.store_state_formats(self._fused_kind, groups, state)
+        if self._ipex_sycl is not None:  # after the re-encoding, which makes new tensors
+            for entry in state.values():
+                self._ipex_sycl.place_state(entry)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict, with reduced-byte state (param group key ``state_dtype``) as fp32 tensors."""

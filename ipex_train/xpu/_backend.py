@@ -8,7 +8,6 @@ from typing import Any
 
 from torch import Tensor
 
-from ..optim import _state_formats
 from . import _steps, _usm
 
 
@@ -45,9 +44,6 @@ class SyclBackend:
     def fused_step(self, kind: str, group: dict[str, Any], state: dict, params: list[Tensor],
                    aux: list[Tensor | None], grads: list[Tensor]) -> None:
         """:func:`ipex_train.optim._fused.fused_step`'s arguments, run on the queue."""
-        if _state_formats.parse(group.get(_state_formats.GROUP_KEY), "state_dtype") is not None:
-            raise RuntimeError(f"the SYCL step keeps fp32 optimizer state only; this param group has state_dtype="
-                               f"{group[_state_formats.GROUP_KEY]!r} (reduced-byte state runs on the CPU step)")
         grads = [self._usm_grad(p, g) for p, g in zip(params, grads)]
         _steps.fused_step(kind, group, state, params, aux, grads, self.queue)
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..optim import _fused, _registry
+from ..optim import _fused, _registry, _state_formats
 from ..optim._checks import check_dense, check_same_shape, check_step_args
 from ..optim._registry import FusedOptimizer
 from . import _device, _runtime, _usm
@@ -18,7 +18,8 @@ _USM_RULE = "the SYCL steps take USM-backed CPU tensors (ipex_train.xpu.to_usm)"
 
 def _slots(op: str, params: list, aux: list, grads: list, states: dict[str, list]) -> list[tuple]:
     """Check one group (raising with the argument's name) and return the per-parameter tuples the runtime takes:
-    (layout, numel, param, aux, grad, state0, state1, state2) with addresses, 0 where absent."""
+    (layout, numel, param, aux, grad, state0, state1, state2) with addresses, 0 where absent, then the formats of
+    the three states (:data:`ipex_train.optim._state_formats.CODECS`, 0 for fp32/fp64)."""
     device_type = params[0].device.type if params and isinstance(params[0], Tensor) else "cpu"
     rule = (f"params[0] is on {device_type}; all tensors of a step must be USM-backed CPU tensors "
             "(ipex_train.xpu.to_usm) or all torch XPU tensors")
@@ -28,9 +29,11 @@ def _slots(op: str, params: list, aux: list, grads: list, states: dict[str, list
     for i, layout in enumerate(layouts):
         ptrs = [lst[i].data_ptr() for lst in states.values()]
         ptrs += [0] * (3 - len(ptrs))
+        codecs = [_state_formats.CODECS.get(lst[i].dtype, 0) for lst in states.values()]
+        codecs += [0] * (3 - len(codecs))
         a = aux[i] if aux else None
         out.append((layout, params[i].numel(), params[i].data_ptr(), 0 if a is None else a.data_ptr(),
-                    grads[i].data_ptr(), *ptrs))
+                    grads[i].data_ptr(), *ptrs, tuple(codecs)))
     return out
 
 
@@ -58,16 +61,22 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
 
     Arguments mirror :func:`ipex_train.optim._fused.fused_step`: hyper-parameters come from ``group`` with
     torch.optim's key names, ``state`` is the optimizer's per-parameter state (missing entries are created as the
-    CPU step creates them and kept in USM shared memory), ``aux`` is per parameter None, an int16 residual (split
-    bf16) or a float32 master. ``params``, ``aux`` and ``grads`` must be contiguous USM-backed CPU tensors of the
-    queue's context (:func:`to_usm`, :func:`module_to_usm`, :func:`usm_grads`); other memory is refused with
-    ValueError. Torch XPU tensors (a torch build with XPU) run on torch's current SYCL queue instead.
+    CPU step creates them and kept in USM shared memory; the group's ``state_dtype`` picks their format and the
+    bits are the CPU step's), ``aux`` is per parameter None, an int16 residual (split bf16) or a float32 master.
+    ``params``, ``aux`` and ``grads`` must be contiguous USM-backed CPU tensors of the queue's context
+    (:func:`to_usm`, :func:`module_to_usm`, :func:`usm_grads`); other memory is refused with ValueError. Torch XPU
+    tensors (a torch build with XPU) run on torch's current SYCL queue instead.
     """
     op = f"ipex_train.xpu.fused_step({kind!r})"
     entry = _registry.get(kind)
     params, aux, grads = list(params), list(aux), list(grads)
     if not params:
         return
+    if _on_torch_xpu(params) and _state_formats.parse(group.get(_state_formats.GROUP_KEY),
+                                                      f"param group key {_state_formats.GROUP_KEY!r}") is not None:
+        raise RuntimeError(f"{op}: param group key {_state_formats.GROUP_KEY!r} is "
+                           f"{group[_state_formats.GROUP_KEY]!r}, but reduced-byte state is not implemented for torch "
+                           "XPU tensors (it runs on USM-backed CPU tensors and on the CPU step); use fp32 state")
     lists = _fused.entry_lists(entry, group, state, params)
     if _on_torch_xpu(params):
         if queue is not None:
@@ -83,7 +92,7 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
     extra = [list(lists["fresh"])] if entry.fresh_flags else []
     if entry.counts_steps:
         extra.append([float(t) for t in lists["step"]])
-    getattr(rt, entry.name)(slots, *extra, *entry.kernel_args(group))
+    getattr(rt, entry.name)(slots, *extra, *entry.kernel_args(group), _state_formats.call_key(group))
 
 
 def split_bf16(src: Tensor, queue=None) -> tuple[Tensor, Tensor]:

@@ -54,13 +54,6 @@ StateCodec codec_of(at::ScalarType t, Layout l) {
   return StateCodec::kPlain;
 }
 
-// splitmix64's finalizer.
-uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 }  // namespace
 
 std::string where(const char* arg, size_t i) { return std::string(arg) + "[" + std::to_string(i) + "]"; }
@@ -147,7 +140,7 @@ std::vector<Slot> prepare(const char* op, at::TensorList params, const c10::List
     // Packed int8 state is in the parameter's memory order, which a contiguous copy would not keep.
     TORCH_CHECK_VALUE(aligned || states.empty() || !is_q8(s.codec[0]), op, ": ", pname,
                       " has int8 state, so it, its grad and its aux must be dense and share one memory order");
-    s.key = mix64(uint64_t(state_key) ^ mix64(uint64_t(i) + 0x9E3779B97F4A7C15ull));
+    s.key = codec::param_key(uint64_t(state_key), uint64_t(i));
 
     if (aligned) {
       s.param = params[i];

@@ -4,7 +4,8 @@
 // The per-element math is not here: it is kernels_cpu's headers (ipex_train/elementwise.h with the storage layouts
 // and the step of one element, updates/*.h, convert.h), handed to the compiler as include_files, so the CPU loops
 // and these kernels run the same code. What this file adds is the device side of kernels_cpu/src/loops.h: one
-// element per work-item, and work-group sums of squares for the two-pass optimizers (Lamb, Lars).
+// element per work-item, work-group sums of squares for the two-pass optimizers (Lamb, Lars), and the staging of
+// reduced-byte state through ipex_train/state_codec.h.
 //
 // The host prepends `#define ITX_REAL float` (every layout but float64) or `double` (float64, only on devices with
 // fp64). It cannot be a template parameter: a free-function kernel taking a struct whose type depends on a
@@ -50,16 +51,83 @@ static inline void group_sums(real a, real b, real* partial) {
   }
 }
 
+// Reduced-byte optimizer state (ipex_train/state_codec.h), the device side of kernels_cpu/src/loops.h's staged():
+// a work-item takes STAGE elements, decodes their state into private fp32 scratch with codec::decode, runs the
+// optimizer's element step on that scratch as if the state were fp32, and encodes it back with codec::encode. The
+// formats' math is state_codec.h's alone, so the bits are the CPU kernels'. STAGE is 1 when every reduced state
+// list is bf16 (one element per work-item, as the fp32 kernels), and kQ8Block with int8 state: one work-item per
+// block, which computes the block's absmax scale alone (no work-group reduction, no barrier; its work-items are a
+// block apart, so the CPU device's vectorizer, which runs work-items in SIMD lanes, reads them with gathers).
+template <int L>
+constexpr int64_t kParamBytes = Layout(L) == Layout::kF32 ? 4 : 2;  // reduced state never has a float64 layout
+template <int L>
+constexpr int64_t kAuxBytes = Layout(L) == Layout::kSplitBF16 ? 2 : 4;
+
+// p plus `bytes`; p is never null here. A null check (a select) made the CPU device's vectorizer read and write
+// every offset pointer with gathers and scatters (bf16 state 2.3x slower, measured).
+static inline void* skip(const void* p, int64_t bytes) {
+  return const_cast<char*>(static_cast<const char*>(p)) + bytes;
+}
+
+static inline int64_t code_bytes(StateCodec f, int64_t n) { return f == StateCodec::kBF16 ? 2 * n : n; }
+
+// The scale of element `first`'s int8 block in state list k (null for bf16 state).
+static inline float* scales_at(const Chunk& c, int k, int64_t first) {
+  return c.scales[k] == nullptr ? nullptr : c.scales[k] + first / kQ8Block;
+}
+
+// State list k of elements [first, first + m) of c as fp32: its fp32 array, or scratch holding the reduced state
+// decoded by codec::decode; null where the list is absent.
+template <int STAGE>
+static inline float* stage_state(const Chunk& c, int k, int64_t first, int64_t m, float* scratch) {
+  if (c.state[k] == nullptr) return nullptr;
+  if (c.codec[k] == StateCodec::kPlain) return static_cast<float*>(skip(c.state[k], first * 4));
+  // STAGE 1 holds bf16 state only (the host's choice): a constant format lets the compiler drop the int8 paths.
+  const StateCodec f = STAGE == 1 ? StateCodec::kBF16 : c.codec[k];
+  codec::decode(f, skip(c.state[k], code_bytes(f, first)), scales_at(c, k, first), scratch, m);
+  return scratch;
+}
+
+// Encodes scratch back into reduced state list k (nothing for fp32 or absent state).
+template <int STAGE>
+static inline void unstage_state(const Chunk& c, int k, int64_t first, int64_t m, const float* scratch) {
+  if (c.state[k] == nullptr || c.codec[k] == StateCodec::kPlain) return;
+  const StateCodec f = STAGE == 1 ? StateCodec::kBF16 : c.codec[k];
+  codec::encode(f, scratch, skip(c.state[k], code_bytes(f, first)), scales_at(c, k, first), m, c.key, first);
+}
+
+// Runs run(st, state, m) on elements [first, first + STAGE) of c, m of them (fewer at its end): st their storage
+// layout, state their state as fp32 arrays. Each state list is handled by its own call, with no array indexed by
+// the list: a private Chunk with such arrays kept the pointers in memory per work-item, which the CPU device's
+// vectorizer read and wrote with gathers and scatters (bf16 state 1.8x slower, measured).
+template <int L, int STAGE, class Run>
+static inline void staged(const Chunk& c, int64_t first, const Run& run) {
+  static_assert(STAGE == 1 || STAGE == kQ8Block, "int8 state needs whole blocks per work-item");
+  const int64_t m = STAGE == 1 ? 1 : c.n - first < STAGE ? c.n - first : STAGE;
+  float s0[STAGE], s1[STAGE], s2[STAGE];
+  Chunk p{skip(c.param, first * kParamBytes<L>), nullptr, skip(c.grad, first * kParamBytes<L>), {}, m};
+  if constexpr (Layout(L) != Layout::kF32) p.aux = skip(c.aux, first * kAuxBytes<L>);
+  const State<float> state{stage_state<STAGE>(c, 0, first, m, s0), stage_state<STAGE>(c, 1, first, m, s1),
+                           stage_state<STAGE>(c, 2, first, m, s2)};
+  run(storage_of<L>(p), state, m);
+  unstage_state<STAGE>(c, 0, first, m, s0);
+  unstage_state<STAGE>(c, 1, first, m, s1);
+  unstage_state<STAGE>(c, 2, first, m, s2);
+}
+
 // Opt::norms, named through Opt so that only the first-pass kernels of two-pass optimizers (the ones instantiated)
 // need it.
-template <class Opt, int L>
-static inline void norms(const Chunk& c, size_t i, const typename Opt::template Coef<real>& k, real& a, real& b) {
-  Opt::norms(storage_of<L>(c), state_of<real>(c), i, k, a, b);
+template <class Opt, class S>
+static inline void norms(const S& st, const State<real>& s, int64_t i, const typename Opt::template Coef<real>& k,
+                         real& a, real& b) {
+  Opt::norms(st, s, i, k, a, b);
 }
 
 // Per optimizer of ITR_OPTIMIZERS (optimizers.h): itx::<name><layout, variant>, apply<variant> on one element per
 // work-item, and itx::<name>_norms<layout>, the first pass of two-pass optimizers (instantiated only for those: the
-// host registers the names it uses). The coefficient type is spelled out, not a template parameter (see above).
+// host registers the names it uses); with reduced-byte state itx::<name>_staged<layout, variant, STAGE> and
+// itx::<name>_norms_staged<layout, STAGE>, the same over staged(). The coefficient type is spelled out, not a
+// template parameter (see above).
 #define ITX_STEP(name, args)                                                                     \
   template <int L, int V>                                                                        \
   ITX_KERNEL void name(Chunk c, fused::name::Coef<real> k) {                                     \
@@ -70,8 +138,31 @@ static inline void norms(const Chunk& c, size_t i, const typename Opt::template 
   ITX_KERNEL void name##_norms(Chunk c, fused::name::Coef<real> k, real* partial) {              \
     const size_t i = global_id();                                                                \
     real a = 0, b = 0;                                                                           \
-    if (i < size_t(c.n)) norms<fused::name, L>(c, i, k, a, b);                                   \
+    if (i < size_t(c.n)) norms<fused::name>(storage_of<L>(c), state_of<real>(c), i, k, a, b);    \
     group_sums(a * a, b * b, partial);                                                           \
+  }                                                                                              \
+  template <int L, int V, int STAGE>                                                             \
+  ITX_KERNEL void name##_staged(Chunk c, fused::name::Coef<real> k) {                            \
+    const int64_t first = int64_t(global_id()) * STAGE;                                          \
+    if (first < c.n)                                                                             \
+      staged<L, STAGE>(c, first, [&](const auto& st, const State<real>& state, int64_t m) {      \
+        for (int64_t j = 0; j < m; ++j) fused::name::apply<V>(st, state, j, k);                  \
+      });                                                                                        \
+  }                                                                                              \
+  template <int L, int STAGE>                                                                    \
+  ITX_KERNEL void name##_norms_staged(Chunk c, fused::name::Coef<real> k, real* partial) {       \
+    const int64_t first = int64_t(global_id()) * STAGE;                                          \
+    real sa = 0, sb = 0;                                                                         \
+    if (first < c.n)                                                                             \
+      staged<L, STAGE>(c, first, [&](const auto& st, const State<real>& state, int64_t m) {      \
+        for (int64_t j = 0; j < m; ++j) {                                                        \
+          real a, b;                                                                             \
+          norms<fused::name>(st, state, j, k, a, b);                                             \
+          sa += a * a;                                                                           \
+          sb += b * b;                                                                           \
+        }                                                                                        \
+      });                                                                                        \
+    group_sums(sa, sb, partial);                                                                 \
   }
 ITR_OPTIMIZERS(ITX_STEP)
 #undef ITX_STEP

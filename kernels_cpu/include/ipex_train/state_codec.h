@@ -46,6 +46,19 @@ ITR_FN uint32_t random16(uint64_t key, int64_t index) {
   return fmix32(lo * 0x9E3779B1u + uint32_t(key) + fmix32(hi ^ uint32_t(key >> 32))) >> 16;
 }
 
+// splitmix64's finalizer.
+ITR_FN uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// The rounding key of the parameter at position `index` of a step call with key `call_key` (the ops' state_key),
+// so that each parameter draws its own random bits; the CPU ops and the SYCL host both derive it here.
+ITR_FN uint64_t param_key(uint64_t call_key, uint64_t index) {
+  return mix64(call_key ^ mix64(index + 0x9E3779B97F4A7C15ull));
+}
+
 // x rounded to bf16 by adding r (16 random bits) to its low half; NaN stays a quiet NaN of the same sign.
 ITR_FN uint16_t bf16_stochastic(float x, uint32_t r) {
   const uint32_t u = math::f32_bits(x);
