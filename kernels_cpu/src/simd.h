@@ -239,11 +239,11 @@ ITR_V void narrow8(void* p, UV v) {
   __builtin_memcpy(p, &b, sizeof b);
 #else
   // Byte 0 of each lane to bytes 0-3 of its 128-bit half, then the two halves' first dwords side by side.
-  const __m256i low = _mm256_shuffle_epi8(reinterpret_cast<__m256i>(v.v),
-                                          _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
-  const __m128i b = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(low, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0)));
-  _mm_storel_epi64(static_cast<__m128i*>(p), b);
+  const __m256i bytes0 = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,  //
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i low = _mm256_shuffle_epi8(reinterpret_cast<__m256i>(v.v), bytes0);
+  const __m256i pair = _mm256_permutevar8x32_epi32(low, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+  _mm_storel_epi64(static_cast<__m128i*>(p), _mm256_castsi256_si128(pair));
 #endif
 }
 
@@ -295,9 +295,10 @@ ITR_V void q8_encode_block(const float* in, void* codes, float* scale, int64_t m
   codec::q8_encode_codes<SIGNED>(in, q, inv, whole, m);
 }
 
-// Not inlined: one call per run of up to loops.h's kStage elements, and inlined into the loops GCC 12 kept values
-// of these loops on the stack.
-__attribute__((noinline)) static void decode_state(StateCodec c, const void* codes, const float* scales, float* out, int64_t n) {
+// Not inlined: called once per run of up to loops.h's kStage elements, and where they were inlined GCC 12 kept each
+// loaded vector on the stack (a store and reloads per vector).
+__attribute__((noinline)) static void decode_state(StateCodec c, const void* codes, const float* scales, float* out,
+                                                   int64_t n) {
   const int64_t whole = n - n % kVecWidth;
   const char* q = static_cast<const char*>(codes);
   int64_t j = 0;
@@ -320,8 +321,8 @@ __attribute__((noinline)) static void decode_state(StateCodec c, const void* cod
   codec::decode(c, codes, scales, out, n, j);
 }
 
-__attribute__((noinline)) static void encode_state(StateCodec c, const float* in, void* codes, float* scales, int64_t n, uint64_t key,
-                                                    int64_t first) {
+__attribute__((noinline)) static void encode_state(StateCodec c, const float* in, void* codes, float* scales,
+                                                   int64_t n, uint64_t key, int64_t first) {
   if (c == StateCodec::kBF16) {
     uint16_t* p = static_cast<uint16_t*>(codes);
     const uint32_t base = codec::random_base(key, first), lo = uint32_t(uint64_t(first));
