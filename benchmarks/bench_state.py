@@ -1,12 +1,23 @@
 """Reduced-byte optimizer state rows of ``bench_step``: split-bf16 AdamW with bf16 (stochastic rounding) and int8
 state, beside torch's fused fp32 AdamW, the bandwidth roof and the low-bit peers that install and run on a CPU
 (torchao AdamW8bit, bitsandbytes AdamW8bit, torch-optimi AdamW with bf16 weights and Kahan summation), all timed
-step by step in one loop. Called by :func:`benchmarks.bench_step.run` (``--state-rows``, on by default).
+step by step in one loop. Called by :func:`benchmarks.bench_step.run` (``--state-rows``, on by default), or alone::
+
+    python -m benchmarks.bench_state [--sizes 10M,50M] [--repeats 15] [--compute-elements 256K] [--no-peers]
+                                     [--json PATH]
+
+which first times the same steps on one thread over a group small enough to stay in cache (the compute each
+format costs per element, without the memory traffic: with T threads no step can be faster than that / T), then
+the rows.
 """
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 import statistics
+import time
+from pathlib import Path
 
 import torch
 
@@ -79,7 +90,7 @@ def bench_size(n: int, args) -> list[dict]:
         ours = bs.OurStep("adamw", "split_bf16", n, args.tensors)
         ours.group[_state_formats.GROUP_KEY] = dtype
         steps[fmt] = ours
-    for name, make in _peers().items():
+    for name, make in (_peers() if getattr(args, "peers", True) else {}).items():
         if isinstance(make, str):
             failed[name] = make
             continue
@@ -143,3 +154,61 @@ def targets(rows: list[dict]) -> list[dict]:
         out.append({"target": f"{where}: >= {bs.TARGET_ROOF:.0%} of roof", "value": r["pct_roof"] / 100,
                     "pass": r["pct_roof"] >= 100 * bs.TARGET_ROOF})
     return out
+
+
+def compute_rows(n: int, repeats: int) -> list[dict]:
+    """Split-bf16 AdamW over ``n`` parameters (one tensor, in cache) with fp32, bf16 and int8 state on one thread,
+    interleaved; the fastest of ``repeats`` steps each, in ns/param (includes the op's fixed call cost)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        steps = {"fp32_state": bs.OurStep("adamw", "split_bf16", n, 1)}
+        for fmt, dtype in FORMATS.items():
+            steps[fmt] = bs.OurStep("adamw", "split_bf16", n, 1)
+            steps[fmt].group[_state_formats.GROUP_KEY] = dtype
+        best = {k: float("inf") for k in steps}
+        for _ in range(repeats):
+            for name, step in steps.items():
+                t0 = time.perf_counter_ns()
+                step()
+                best[name] = min(best[name], time.perf_counter_ns() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    rows = [{"contestant": k, "size": n, "threads": 1, "ns_per_param": v / n} for k, v in best.items()]
+    for r in rows:
+        print(f"  {r['contestant']:<12} {bs._fmt_size(n):>5}  1 thread, in cache: {r['ns_per_param']:.3f} ns/param",
+              flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Command-line entry point: the in-cache compute rows, then the state rows at each size, and the targets."""
+    p = argparse.ArgumentParser(description="reduced-byte optimizer state rows (split-bf16 AdamW)")
+    p.add_argument("--sizes", default="10M,50M", help="comma-separated parameter counts")
+    p.add_argument("--repeats", type=int, default=15, help="timed steps per contestant and size")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    p.add_argument("--tensors", type=int, default=4, help="parameters are split over this many tensors")
+    p.add_argument("--compute-elements", type=bs.parse_size, default=bs.parse_size("256K"),
+                   help="parameters of the in-cache, one-thread compute rows (0: skip them)")
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time torchao's, bitsandbytes' and torch-optimi's optimizers where they run")
+    p.add_argument("--json", type=Path, help="write the machine description and all rows to this file")
+    args = p.parse_args(argv)
+    info = bs.machine()
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items() if k != "isa"))
+    compute = compute_rows(args.compute_elements, 200) if args.compute_elements else []
+    rows = []
+    for n in (bs.parse_size(s) for s in args.sizes.split(",")):
+        rows += bench_size(n, args)
+    checks = targets(rows)
+    print("targets:")
+    for t in checks:
+        print(f"  {'PASS' if t['pass'] else 'FAIL'}  {t['target']}  (measured {t['value']:.2f})")
+    result = {"machine": info, "compute_rows": compute, "state_rows": rows, "targets": checks}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -176,6 +176,33 @@ def test_kernel_int8_state_reencodes_to_the_same_codes():
     assert torch.equal(buf, before)
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_kernel_int8_encode_matches_python_bits(signed):
+    # The kernels encode new state with whole vectors and the elements after the last one singly; both must give
+    # the Python reference's bits on every kernel variant. SGD's momentum from a zero buffer stores the grad itself
+    # (signed); Adagrad's sum from zero stores grad * grad (unsigned, the same fp32 product as here).
+    gen = torch.Generator().manual_seed(4)
+    n = 4 * sf.Q8_BLOCK + 37  # whole blocks, then a partial block with a partial vector
+    g = torch.randn(n, generator=gen) * torch.logspace(-8, 3, n)[torch.randperm(n, generator=gen)]
+    g[:sf.Q8_BLOCK] = 0.0  # an all-zero block
+    g[300] = -0.0
+    g[2 * sf.Q8_BLOCK + 5] = float("nan")  # a NaN block
+    g[3 * sf.Q8_BLOCK + 9] = float("inf")  # an Inf block
+    want = sf.encode(g if signed else g * g, torch.empty(n), "int8", signed)
+    before = _ops.kernel_variant()
+    try:
+        for v in _ops.supported_kernel_variants():
+            _ops.set_kernel_variant(v)
+            p, state = torch.zeros(n), sf.encode(torch.zeros(n), torch.empty(n), "int8", signed)
+            if signed:
+                F.sgd([p], [g], [state], lr=0.0, momentum=0.5)
+            else:
+                F.adagrad([p], [g], [state], [torch.tensor(0.0)], lr=0.0)
+            assert torch.equal(state, want), v
+    finally:
+        _ops.set_kernel_variant(before)
+
+
 def test_stochastic_rounding_is_unbiased_and_reproducible():
     # SGD momentum with a zero buffer and momentum 0.5 stores buf = grad: one rounding of each grad value.
     g = torch.randn(4096, dtype=torch.float64).float()

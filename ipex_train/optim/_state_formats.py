@@ -80,6 +80,10 @@ def fits(t: Tensor, p: Tensor) -> bool:
     return t.dtype in (torch.int8, torch.uint8) and t.dim() == 1 and t.numel() == packed_bytes(p.numel())
 
 
+# fl(1/127) and fl(1/255): a code q decodes as scale * (|q| * inv)^4 (state_codec.h).
+_INV = {s: torch.tensor(1.0, dtype=torch.float32) / (127.0 if s else 255.0) for s in (True, False)}
+
+
 def _blocks(numel: int) -> int:
     return -(-numel // Q8_BLOCK)
 
@@ -103,15 +107,14 @@ def encode(x: Tensor, p: Tensor, fmt: Format, signed: bool) -> Tensor:
     blocks[:n] = flat
     blocks = blocks.view(nb, Q8_BLOCK)
     scale = blocks.abs().amax(dim=1)  # NaN propagates, as in the kernel
-    safe = torch.where(scale > 0, scale, 1.0).unsqueeze(1)
-    value = blocks.abs() if signed else torch.where(blocks > 0, blocks, 0.0)
-    r = value / safe
-    r = torch.where(r < 1.0, r, 1.0)
+    inv = (1.0 / torch.where(scale > 0, scale, 1.0)).unsqueeze(1)
+    r = (blocks.abs() if signed else torch.where(blocks > 0, blocks, 0.0)) * inv
+    r = torch.where(r < 1.0, r, 1.0)  # NaN (a NaN scale) -> the largest code
     y = r.sqrt().sqrt() * (127.0 if signed else 255.0)
     q = (y + 0.5).to(torch.int32)
     out = torch.empty(4 * nb + n, dtype=torch.int8 if signed else torch.uint8)
     out[: 4 * nb].view(torch.float32).copy_(scale)
-    out[4 * nb:] = (torch.where(blocks < 0, -q, q) if signed else q).reshape(-1)[:n].to(out.dtype)
+    out[4 * nb:] = (torch.where(torch.signbit(blocks), -q, q) if signed else q).reshape(-1)[:n].to(out.dtype)
     return out
 
 
@@ -127,7 +130,7 @@ def decode(t: Tensor, p: Tensor) -> Tensor:
     q = torch.zeros(nb * Q8_BLOCK, dtype=torch.int32)
     q[:n] = t[4 * nb:].to(torch.int32)
     q = q.view(nb, Q8_BLOCK)
-    u = q.abs().to(torch.float32) / (127.0 if signed else 255.0)
+    u = q.abs().to(torch.float32) * _INV[signed]
     mag = ((u * u) * (u * u)) * scale.unsqueeze(1)
     _flat(out).copy_((torch.where(q < 0, -mag, mag) if signed else mag).reshape(-1)[:n])
     return out

@@ -97,6 +97,24 @@ inline void* skip(const void* p, int64_t bytes) {
   return p == nullptr ? nullptr : const_cast<char*>(static_cast<const char*>(p)) + bytes;
 }
 
+// The codec's run conversions: whole vectors through simd.h where this ISA has them.
+inline void decode_state(StateCodec f, const void* codes, const float* scales, float* out, int64_t n) {
+#ifdef ITR_SIMD_BYTES
+  math::vec::decode_state(f, codes, scales, out, n);
+#else
+  codec::decode(f, codes, scales, out, n);
+#endif
+}
+
+inline void encode_state(StateCodec f, const float* in, void* codes, float* scales, int64_t n, uint64_t key,
+                         int64_t first) {
+#ifdef ITR_SIMD_BYTES
+  math::vec::encode_state(f, in, codes, scales, n, key, first);
+#else
+  codec::encode(f, in, codes, scales, n, key, first);
+#endif
+}
+
 template <Layout L, class Run>
 void staged(const Chunk& c, const Run& run) {
   if (c.codec[0] == StateCodec::kPlain && c.codec[1] == StateCodec::kPlain && c.codec[2] == StateCodec::kPlain)
@@ -118,7 +136,7 @@ void staged(const Chunk& c, const Run& run) {
       }
       s.state[k] = skip(c.state[k], f == StateCodec::kBF16 ? 2 * b : b);
       s.scales[k] = c.scales[k] == nullptr ? nullptr : c.scales[k] + b / kQ8Block;
-      codec::decode(f, s.state[k], s.scales[k], scratch[k], s.n);
+      decode_state(f, s.state[k], s.scales[k], scratch[k], s.n);
     }
     Chunk fp32 = s;
     for (int k = 0; k < 3; ++k)
@@ -126,7 +144,7 @@ void staged(const Chunk& c, const Run& run) {
     run(fp32);
     for (int k = 0; k < 3; ++k)
       if (s.state[k] != nullptr && s.codec[k] != StateCodec::kPlain)
-        codec::encode(s.codec[k], scratch[k], s.state[k], s.scales[k], s.n, s.key, s.first);
+        encode_state(s.codec[k], scratch[k], s.state[k], s.scales[k], s.n, s.key, s.first);
   }
 }
 

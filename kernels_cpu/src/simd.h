@@ -69,6 +69,8 @@ struct UV {
   friend ITR_VF UV operator-(UV a, UV b) { return of(a.v - b.v); }
   friend ITR_VF UV operator&(UV a, UV b) { return of(a.v & b.v); }
   friend ITR_VF UV operator|(UV a, UV b) { return of(a.v | b.v); }
+  friend ITR_VF UV operator^(UV a, UV b) { return of(a.v ^ b.v); }
+  friend ITR_VF UV operator*(UV a, UV b) { return of(a.v * b.v); }  // the low 32 bits, as uint32_t's *
   friend ITR_VF UV operator<<(UV a, int s) { return of(a.v << s); }
   friend ITR_VF UV operator>>(UV a, int s) { return of(a.v >> s); }
   friend ITR_VF Mask operator==(UV a, UV b) { return {a.v == b.v}; }
@@ -97,6 +99,10 @@ ITR_V V load_bytes(const P* p) {
   return v;
 }
 
+// Code values (small, non-negative) between float and 32-bit lanes.
+ITR_V UV trunc_u32(FV x) { return UV::of(reinterpret_cast<vu>(__builtin_convertvector(x.v, vi))); }
+ITR_V FV u32_to_f32(UV q) { return FV::of(__builtin_convertvector(reinterpret_cast<vi>(q.v), vf)); }
+
 }  // namespace vec
 }  // namespace
 
@@ -111,11 +117,13 @@ using vec::f32_bits;
 using vec::f32_from_bits;
 using vec::select;
 using vec::sqrt_;
+using vec::trunc_u32;
 
 }  // namespace math
 }  // namespace ipex_train
 
-#include "ipex_train/convert.h"  // after the overloads above, which its formulas call for vectors
+#include "ipex_train/convert.h"      // after the overloads above, which its formulas call for vectors
+#include "ipex_train/state_codec.h"  // the same
 
 namespace ipex_train {
 namespace math {
@@ -208,6 +216,131 @@ struct AccessOf {
 };
 
 using Access = AccessOf<false>;
+
+// Reduced-byte state (ipex_train/state_codec.h) a whole vector at a time: codec::decode and codec::encode over a run,
+// the vectors through the codec's element formulas, the elements after the last whole vector through the codec's
+// own loops; the same bits either way.
+
+// kVecWidth 8-bit codes widened to 32-bit lanes (sign- or zero-extended), and the low byte of each lane stored.
+template <bool SIGNED>
+ITR_V UV widen8(const void* p) {
+#if ITR_SIMD_BYTES == 64
+  const __m128i b = load_bytes<__m128i>(p);
+  return UV::of(reinterpret_cast<vu>(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b)));
+#else
+  const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+  return UV::of(reinterpret_cast<vu>(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b)));
+#endif
+}
+
+ITR_V void narrow8(void* p, UV v) {
+#if ITR_SIMD_BYTES == 64
+  const __m128i b = _mm512_cvtepi32_epi8(reinterpret_cast<__m512i>(v.v));  // truncates each lane
+  __builtin_memcpy(p, &b, sizeof b);
+#else
+  // Byte 0 of each lane to bytes 0-3 of its 128-bit half, then the two halves' first dwords side by side.
+  const __m256i bytes0 = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,  //
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i low = _mm256_shuffle_epi8(reinterpret_cast<__m256i>(v.v), bytes0);
+  const __m256i pair = _mm256_permutevar8x32_epi32(low, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+  _mm_storel_epi64(static_cast<__m128i*>(p), _mm256_castsi256_si128(pair));
+#endif
+}
+
+ITR_V FV load_f(const float* p) {
+#if ITR_SIMD_BYTES == 64
+  return FV::of(reinterpret_cast<vf>(_mm512_loadu_ps(p)));
+#else
+  return FV::of(reinterpret_cast<vf>(_mm256_loadu_ps(p)));
+#endif
+}
+
+template <bool SIGNED>
+ITR_V FV q8_decode(const void* codes, FV scale) {
+  const UV q = widen8<SIGNED>(codes);
+  if constexpr (SIGNED) {
+    const UV neg = UV(0u) - (q >> 31);
+    const FV mag = codec::q8_magnitude<true>(u32_to_f32((q ^ neg) - neg), scale);
+    return f32_from_bits(f32_bits(mag) | (q & 0x80000000u));
+  } else {
+    return codec::q8_magnitude<false>(u32_to_f32(q), scale);
+  }
+}
+
+template <bool SIGNED>
+ITR_V void q8_encode_block(const float* in, void* codes, float* scale, int64_t m) {
+  const int64_t whole = m - m % kVecWidth;
+  // vpmaxud: a select on a comparison made GCC chain a compare and a masked move per vector (~4x slower).
+#if ITR_SIMD_BYTES == 64
+  __m512i top = _mm512_setzero_si512();
+  for (int64_t j = 0; j < whole; j += kVecWidth)
+    top = _mm512_max_epu32(top, reinterpret_cast<__m512i>((f32_bits(load_f(in + j)) & 0x7FFFFFFFu).v));
+#else
+  __m256i top = _mm256_setzero_si256();
+  for (int64_t j = 0; j < whole; j += kVecWidth)
+    top = _mm256_max_epu32(top, reinterpret_cast<__m256i>((f32_bits(load_f(in + j)) & 0x7FFFFFFFu).v));
+#endif
+  const UV lanes = UV::of(reinterpret_cast<vu>(top));
+  uint32_t t = 0;
+  for (int64_t k = 0; k < kVecWidth; ++k) t = lanes.v[k] > t ? lanes.v[k] : t;
+  const float s = math::f32_from_bits(codec::q8_absmax_bits(in + whole, m - whole, t));
+  *scale = s;
+  const float inv = codec::q8_inverse(s);
+  char* q = static_cast<char*>(codes);
+  for (int64_t j = 0; j < whole; j += kVecWidth) {
+    const FV x = load_f(in + j);
+    if constexpr (SIGNED) narrow8(q + j, codec::q8_with_sign(codec::q8_code<true>(codec::q8_abs(x), FV(inv)), x));
+    else narrow8(q + j, codec::q8_code<false>(codec::q8_positive(x), FV(inv)));
+  }
+  codec::q8_encode_codes<SIGNED>(in, q, inv, whole, m);
+}
+
+// Not inlined: called once per run of up to loops.h's kStage elements, and where they were inlined GCC 12 kept each
+// loaded vector on the stack (a store and reloads per vector).
+__attribute__((noinline)) static void decode_state(StateCodec c, const void* codes, const float* scales, float* out,
+                                                   int64_t n) {
+  const int64_t whole = n - n % kVecWidth;
+  const char* q = static_cast<const char*>(codes);
+  int64_t j = 0;
+  if (c == StateCodec::kBF16) {
+    for (; j < whole; j += kVecWidth) {
+      const FV v = convert::bf16_to_f32(widen_u16(static_cast<const uint16_t*>(codes) + j));
+      __builtin_memcpy(out + j, &v.v, sizeof v.v);
+    }
+  } else if (c == StateCodec::kQ8Signed) {
+    for (; j < whole; j += kVecWidth) {
+      const FV v = q8_decode<true>(q + j, FV(scales[j / kQ8Block]));
+      __builtin_memcpy(out + j, &v.v, sizeof v.v);
+    }
+  } else {
+    for (; j < whole; j += kVecWidth) {
+      const FV v = q8_decode<false>(q + j, FV(scales[j / kQ8Block]));
+      __builtin_memcpy(out + j, &v.v, sizeof v.v);
+    }
+  }
+  codec::decode(c, codes, scales, out, n, j);
+}
+
+__attribute__((noinline)) static void encode_state(StateCodec c, const float* in, void* codes, float* scales,
+                                                   int64_t n, uint64_t key, int64_t first) {
+  if (c == StateCodec::kBF16) {
+    uint16_t* p = static_cast<uint16_t*>(codes);
+    const uint32_t base = codec::random_base(key, first), lo = uint32_t(uint64_t(first));
+    UV weyl;  // (lo + j) * kWeyl of each lane, advanced by additions
+    for (int64_t k = 0; k < kVecWidth; ++k) weyl.v[k] = (lo + uint32_t(k)) * codec::kWeyl;
+    const uint32_t step = uint32_t(kVecWidth) * codec::kWeyl;
+    const int64_t whole = n - n % kVecWidth;
+    for (int64_t j = 0; j < whole; j += kVecWidth, weyl = weyl + step)
+      put16<false>(p + j, narrow16(codec::bf16_stochastic(load_f(in + j), codec::random16_at(weyl, base))));
+    return codec::encode(c, in + whole, p + whole, nullptr, n - whole, key, first + whole);
+  }
+  for (int64_t b = 0; b < n; b += kQ8Block) {
+    const int64_t m = n - b < kQ8Block ? n - b : kQ8Block;
+    char* q = static_cast<char*>(codes) + b;
+    if (c == StateCodec::kQ8Signed) q8_encode_block<true>(in + b, q, scales + b / kQ8Block, m);
+    else q8_encode_block<false>(in + b, q, scales + b / kQ8Block, m);
+  }
+}
 
 // Sums of squares in double of whole vectors, kept in registers. G groups of kVecWidth partial sums take turns, so
 // the vector added t-th (elements t * kVecWidth + j) goes to group t % G: element i lands in partial sum
