@@ -6,7 +6,8 @@ Run from the repository root::
     python -m benchmarks.bench_train_step --quick [--json out.json] [--threads N]
 
 The models are in train_models.MODELS (a small ResNet-style CNN, an nn.TransformerEncoder, a BERT-base-like
-HuggingFace encoder, a torchvision ViT, torchvision ResNet-50, timm resnet18 at batch 8/64 px with timm's AdamW), each
+HuggingFace encoder, a torchvision ViT, torchvision ResNet-50, and timm's resnet18, mobilenetv3_small, vit_tiny,
+convnext_atto and efficientnet_b0 at batch 8/64 px with timm's AdamW; quick mode runs QUICK_MODELS), each
 trained with every variant in VARIANTS (QUICK_VARIANTS in quick mode) on the same learnable data (bf16-weight
 variants keep fp32 master weights). Each (model, variant) pair runs in its own subprocess so that its peak RSS
 (resource.getrusage ru_maxrss) is its own; the driver interleaves their steps round-robin so that
@@ -40,7 +41,7 @@ import torch
 
 from ipex_train import compute_policy
 
-from .train_models import MODELS, NUM_CLASSES, ModelSpec
+from .train_models import MODELS, NUM_CLASSES, QUICK_MODELS, ModelSpec
 from .train_variants import NATIVE_BF16, QUICK_VARIANTS, VARIANTS
 
 NUM_BATCHES = 4  # a small fixed dataset, cycled, so the loss curve reflects fitting it
@@ -192,7 +193,7 @@ def _plan(quick: bool, variant_name: str) -> tuple[int, int]:
     if VARIANTS[variant_name].slow:
         return (1, 0) if quick else (2, 1)
     warmup = 2 if VARIANTS[variant_name].compiled else 1  # compile, then one compiled step before timing
-    return (10, warmup) if quick else (50, warmup)
+    return (6, warmup) if quick else (50, warmup)
 
 
 def _variants_for(model_name: str, variants: list[str], quick: bool) -> list[str]:
@@ -278,10 +279,13 @@ def _targets(results: list[dict], by_model_fp32: dict[str, dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point; see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="10 steps, one step for slow variants")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"6 steps (one for slow variants), models {' '.join(QUICK_MODELS)}, compile variants only "
+                             f"for {' '.join(n for n in QUICK_MODELS if not MODELS[n].large)}")
     parser.add_argument("--json", type=Path, help="write all results to this file")
     parser.add_argument("--threads", type=int, help="torch threads per run (default: torch's default)")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
+                        help=f"default: all; with --quick: {' '.join(QUICK_MODELS)}")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS),
                         help=f"default: all; with --quick: {' '.join(QUICK_VARIANTS)}")
     parser.add_argument("--pin-malloc", action="store_true", help=argparse.SUPPRESS)  # workers of the memory phase
@@ -293,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         worker(*args.worker, pin_malloc=args.pin_malloc)
         return
     args.variants = args.variants or list(QUICK_VARIANTS if args.quick else VARIANTS)
+    args.models = args.models or list(QUICK_MODELS if args.quick else MODELS)
     if "fp32" not in args.variants:
         parser.error("--variants must include fp32, the reference for ratios and losses")
 
