@@ -49,7 +49,9 @@ each input's dtype (bf16 for bf16 weights, fp32 for fp32 weights under autocast)
 save activation inputs as they come (not fp32 copies of bf16 ones: bf16 activation memory stays
 that of bf16 training); linear and convolution save their weight's fp32 copy instead of casting
 it again. Attention saves its fp32 output and log-sum-exp, which the fused attention backward
-needs; that is what fp32 training saves for it.
+needs; that is what fp32 training saves for it. bf16 weights on fp32 activations need no
+Function: the op runs on autograd-tracked fp32 casts of the weights, so its backward runs in C++
+in fp32 and the cast's backward rounds the weight grad to bf16 (no Python per op in backward).
 
 Unusual argument forms (``out=``, ``padding="same"`` with an even kernel, attention with dropout
 or a differentiable mask) are upcast at the autograd level instead (fp32 compute, autograd saves

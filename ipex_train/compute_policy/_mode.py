@@ -248,6 +248,11 @@ class _EmulationMode(TorchFunctionMode):
         impl = _EMULATED.get(func)
         if impl is not None:
             out_dtype = _emulated_dtype(_operands(args, kwargs), func not in _NOT_LOWERED_BY_AUTOCAST)
+            if out_dtype == torch.float32:
+                # bf16 weights on fp32 activations: casting the weights up (autograd-tracked) is all it takes. The
+                # op and its backward then run in C++ on fp32, saving the fp32 weight copy, and the cast's backward
+                # rounds the weight grad to bf16; a Python Function per op would only add overhead.
+                return _upcast_call(func, args, kwargs, out_dtype)
             if out_dtype is not None:
                 return impl(func, args, kwargs, out_dtype)
             return func(*args, **kwargs)
