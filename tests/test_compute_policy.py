@@ -244,44 +244,6 @@ def test_only_needed_grads_are_computed():
     assert len(heavy.all) == 2  # forward mm + weight-grad mm, no input-grad mm
 
 
-MIXED = {
-    "linear": (lambda x, w, b: F.linear(x, w, b), [(2, 5, 16), (24, 16), (24,)]),
-    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, padding=1), [(2, 4, 9, 9), (6, 4, 3, 3), (6,)]),
-    "matmul": (torch.matmul, [(3, 4, 8), (8, 5)]),
-    "lstm": (lambda x, *w: torch.lstm(x, (torch.zeros(1, 2, 3), torch.zeros(1, 2, 3)), w, True, 1, 0.0, True, False,
-                                      True)[0], [(2, 4, 6), (12, 6), (12, 3), (12,), (12,)]),
-}
-
-
-@pytest.mark.parametrize("name", sorted(MIXED))
-def test_fp32_activations_with_bf16_weights_compute_in_fp32(name):
-    # What optimize() runs under the emulated policy: fp32 activations, bf16-stored weights. Torch refuses the mix;
-    # the policy computes it in fp32 (exact on the bf16 weight values), returns fp32 and gives each input its own
-    # dtype's grad, with no bf16 kernel and no bf16 rounding of the activations.
-    fn, shapes = MIXED[name]
-    torch.manual_seed(0)
-    x = torch.randn(shapes[0], requires_grad=True)
-    weights = [_bf16_tensor(*s) for s in shapes[1:]]
-    with pytest.raises(RuntimeError):
-        fn(x, *weights)
-    with HeavyOps() as heavy:
-        with cp.emulated_bf16():
-            out = fn(x, *weights)
-        out.backward(torch.ones_like(out))
-    assert heavy.all and heavy.bf16 == []
-    assert out.dtype == torch.float32 and x.grad.dtype == torch.float32
-    assert all(w.grad.dtype == BF16 for w in weights)
-
-    reference_weights = [w.detach().float().requires_grad_() for w in weights]
-    x_ref = x.detach().requires_grad_()
-    reference = fn(x_ref, *reference_weights)
-    reference.backward(torch.ones_like(reference))
-    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
-    for w, r in zip(weights, reference_weights):
-        _close(w.grad, r.grad)  # one bf16 rounding of the fp32 grad
-
-
 def test_other_mixed_dtypes_still_raise():
     x, w = torch.randn(3, 8, dtype=torch.float16), _bf16_tensor(5, 8)
     with cp.emulated_bf16(), pytest.raises(RuntimeError):

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ipex_train
+from ipex_train import compute_policy
 
 BF16 = torch.bfloat16
 A = torch.ops.aten
@@ -27,7 +28,7 @@ class Casts(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.casts, self.bf16_heavy = [], []
+        self.casts, self.heavy, self.bf16_heavy = [], [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -37,6 +38,7 @@ class Casts(TorchDispatchMode):
             if {source.dtype, out.dtype} == {BF16, torch.float32}:
                 self.casts.append(tuple(out.shape))
         if func.overloadpacket in HEAVY:
+            self.heavy.append(func)
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
             if any(t.dtype == BF16 for t in tensors):
@@ -128,3 +130,41 @@ def test_forward_is_fp32_on_the_rounded_weights():
         got = model.get_parameter(name).grad
         atol = 1e-5 * float(p.grad.abs().max())
         torch.testing.assert_close(got.float(), p.grad, rtol=2**-8 if got.dtype == BF16 else 1e-5, atol=atol)
+
+
+MIXED = {
+    "linear": (lambda x, w, b: F.linear(x, w, b), [(2, 5, 16), (24, 16), (24,)]),
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, padding=1), [(2, 4, 9, 9), (6, 4, 3, 3), (6,)]),
+    "matmul": (torch.matmul, [(3, 4, 8), (8, 5)]),
+    "lstm": (lambda x, *w: torch.lstm(x, (torch.zeros(1, 2, 3), torch.zeros(1, 2, 3)), w, True, 1, 0.0, True, False,
+                                      True)[0], [(2, 4, 6), (12, 6), (12, 3), (12,), (12,)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED))
+def test_fp32_activations_with_bf16_weights_compute_in_fp32(name):
+    # What optimize() runs under the emulated policy: fp32 activations, bf16-stored weights. Torch refuses the mix;
+    # the policy computes it in fp32 (exact on the bf16 weight values), returns fp32 and gives each input its own
+    # dtype's grad, with no bf16 kernel and no bf16 rounding of the activations.
+    fn, shapes = MIXED[name]
+    torch.manual_seed(0)
+    x = torch.randn(shapes[0], requires_grad=True)
+    weights = [torch.randn(s).to(BF16).requires_grad_() for s in shapes[1:]]
+    with pytest.raises(RuntimeError):
+        fn(x, *weights)
+    with Casts() as casts:
+        with compute_policy.emulated_bf16():
+            out = fn(x, *weights)
+        out.backward(torch.ones_like(out))
+    assert casts.heavy and casts.bf16_heavy == []
+    assert out.dtype == torch.float32 and x.grad.dtype == torch.float32
+    assert all(w.grad.dtype == BF16 for w in weights)
+
+    reference_weights = [w.detach().float().requires_grad_() for w in weights]
+    x_ref = x.detach().requires_grad_()
+    reference = fn(x_ref, *reference_weights)
+    reference.backward(torch.ones_like(reference))
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    for w, r in zip(weights, reference_weights):  # one bf16 rounding of the fp32 grad
+        torch.testing.assert_close(w.grad.float(), r.grad, rtol=2**-8, atol=1e-5 * float(r.grad.abs().max()))
