@@ -6,7 +6,8 @@ Run from the repository root::
     python -m benchmarks.bench_train_step --quick [--json out.json] [--threads N]
 
 The models are in train_models.MODELS (a small ResNet-style CNN, an nn.TransformerEncoder, a BERT-base-like
-HuggingFace encoder, a torchvision ViT, torchvision ResNet-50, timm resnet18 at batch 8/64 px with timm's AdamW), each
+HuggingFace encoder, a torchvision ViT, torchvision ResNet-50, and timm's resnet18, mobilenetv3_small, vit_tiny,
+convnext_atto and efficientnet_b0 at batch 8/64 px with timm's AdamW; quick mode runs QUICK_MODELS), each
 trained with every variant in VARIANTS (QUICK_VARIANTS in quick mode) on the same learnable data (bf16-weight
 variants keep fp32 master weights). Each (model, variant) pair runs in its own subprocess so that its peak RSS
 (resource.getrusage ru_maxrss) is its own; the driver interleaves their steps round-robin so that
@@ -40,7 +41,7 @@ import torch
 
 from ipex_train import compute_policy
 
-from .train_models import MODELS, NUM_CLASSES, ModelSpec
+from .train_models import MODELS, NUM_CLASSES, QUICK_MODELS, ModelSpec
 from .train_variants import NATIVE_BF16, QUICK_VARIANTS, VARIANTS
 
 NUM_BATCHES = 4  # a small fixed dataset, cycled, so the loss curve reflects fitting it
@@ -89,7 +90,8 @@ def _pin_mmap_threshold() -> bool:
 def worker(model_name: str, variant_name: str, pin_malloc: bool = False) -> None:
     """Serve train steps of one (model, variant) over stdin/stdout, one JSON line per reply.
 
-    Replies: a "ready" line after setup; per "step" request ``{"loss", "time_s"}``; on EOF the
+    Replies: a "ready" line after setup; per "step" request ``{"loss", "time_s", "cpu_s"}`` (wall and process CPU
+    seconds); on EOF the
     process's peak RSS. The driver interleaves steps of several workers so that load changes on
     the machine hit all variants alike, while each keeps its own address space for ru_maxrss.
     """
@@ -105,9 +107,10 @@ def worker(model_name: str, variant_name: str, pin_malloc: bool = False) -> None
                       "mmap_threshold_pinned": pinned}), flush=True)
     for i, _ in enumerate(sys.stdin):
         x, y = batches[i % NUM_BATCHES]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         loss = step(x, y)
-        print(json.dumps({"loss": loss, "time_s": time.perf_counter() - start}), flush=True)
+        print(json.dumps({"loss": loss, "time_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}),
+              flush=True)
     print(json.dumps({"peak_rss_mb": _rss_mb()}), flush=True)
 
 
@@ -116,16 +119,17 @@ def worker(model_name: str, variant_name: str, pin_malloc: bool = False) -> None
 
 class _Worker:
     def __init__(self, model_name: str, variant_name: str, steps: int, warmup: int, threads: int | None,
-                 pin_malloc: bool = False):
+                 pin_malloc: bool = False, root: Path = REPO_ROOT):
         cmd = [sys.executable, "-m", "benchmarks.bench_train_step", "--worker", model_name, variant_name]
         if threads is not None:
             cmd += ["--threads", str(threads)]
         if pin_malloc:
             cmd += ["--pin-malloc"]
         self.name = f"{model_name}/{variant_name}"
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # The worker imports ipex_train from ``root`` (python -m puts the working directory first on sys.path).
+        self.proc = subprocess.Popen(cmd, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.result = {"model": model_name, "variant": variant_name, "warmup": warmup, **self._read()}
-        self.remaining, self.warmup, self.losses, self.times = warmup + steps, warmup, [], []
+        self.remaining, self.warmup, self.losses, self.times, self.cpu = warmup + steps, warmup, [], [], []
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -139,6 +143,7 @@ class _Worker:
         reply = self._read()
         self.losses.append(reply["loss"])
         self.times.append(reply["time_s"])
+        self.cpu.append(reply["cpu_s"])
         self.remaining -= 1
 
     def finish(self) -> dict:
@@ -146,7 +151,9 @@ class _Worker:
         self.result.update(self._read())
         self.proc.wait()
         timed = self.times[self.warmup:]
-        self.result.update(losses=self.losses, step_times_s=timed, median_step_s=statistics.median(timed))
+        cpu = self.cpu[self.warmup:]
+        self.result.update(losses=self.losses, step_times_s=timed, median_step_s=statistics.median(timed),
+                           step_cpu_s=cpu, median_cpu_s=statistics.median(cpu))
         return self.result
 
 
@@ -192,7 +199,7 @@ def _plan(quick: bool, variant_name: str) -> tuple[int, int]:
     if VARIANTS[variant_name].slow:
         return (1, 0) if quick else (2, 1)
     warmup = 2 if VARIANTS[variant_name].compiled else 1  # compile, then one compiled step before timing
-    return (10, warmup) if quick else (50, warmup)
+    return (6, warmup) if quick else (50, warmup)
 
 
 def _variants_for(model_name: str, variants: list[str], quick: bool) -> list[str]:
@@ -211,9 +218,11 @@ def _loss_gap(losses: list[float], reference: list[float]) -> dict:
 
 
 def _table(results: list[dict]) -> str:
-    """One row per run. 'peak MB' and '+MB run' are the memory phase's (glibc mmap threshold pinned, see
-    _pin_mmap_threshold); 'RSS MB' is the timed phase's peak RSS with glibc's default, for reference."""
-    head = f"{'model':<12} {'variant':<23} {'params':>7} {'steps':>5} {'step s':>8} {'x fp32':>7} " \
+    """One row per run. 'cpu x': median process CPU time per step against fp32's (with --threads 1 on a shared
+    machine, the step's own work without the time other processes held the core). 'peak MB' and '+MB run' are the
+    memory phase's (glibc mmap threshold pinned, see _pin_mmap_threshold); 'RSS MB' is the timed phase's peak RSS
+    with glibc's default, for reference."""
+    head = f"{'model':<20} {'variant':<23} {'params':>7} {'steps':>5} {'step s':>8} {'x fp32':>7} {'cpu x':>6} " \
            f"{'peak MB':>8} {'+MB run':>8} {'RSS MB':>7} {'loss[-1]':>9} {'final loss vs fp32':>19}"
     lines = [head, "-" * len(head)]
     for r in results:
@@ -222,9 +231,9 @@ def _table(results: list[dict]) -> str:
         mem = r.get("memory")
         peak, run = (f"{mem['peak_mb']:.0f}", f"{mem['run_mb']:.0f}") if mem else ("-", "-")
         lines.append(
-            f"{r['model']:<12} {r['variant']:<23} {r['params'] / 1e6:>6.2f}M {len(r['step_times_s']):>5} "
-            f"{r['median_step_s']:>8.3f} {r['ratio_vs_fp32']:>7.2f} {peak:>8} {run:>8} {r['peak_rss_mb']:>7.0f} "
-            f"{r['losses'][-1]:>9.4f} {gap_text:>19}"
+            f"{r['model']:<20} {r['variant']:<23} {r['params'] / 1e6:>6.2f}M {len(r['step_times_s']):>5} "
+            f"{r['median_step_s']:>8.3f} {r['ratio_vs_fp32']:>7.2f} {r['cpu_ratio_vs_fp32']:>6.2f} {peak:>8} {run:>8} "
+            f"{r['peak_rss_mb']:>7.0f} {r['losses'][-1]:>9.4f} {gap_text:>19}"
         )
     return "\n".join(lines)
 
@@ -278,10 +287,13 @@ def _targets(results: list[dict], by_model_fp32: dict[str, dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point; see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="10 steps, one step for slow variants")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"6 steps (one for slow variants), models {' '.join(QUICK_MODELS)}, compile variants only "
+                             f"for {' '.join(n for n in QUICK_MODELS if not MODELS[n].large)}")
     parser.add_argument("--json", type=Path, help="write all results to this file")
     parser.add_argument("--threads", type=int, help="torch threads per run (default: torch's default)")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
+                        help=f"default: all; with --quick: {' '.join(QUICK_MODELS)}")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS),
                         help=f"default: all; with --quick: {' '.join(QUICK_VARIANTS)}")
     parser.add_argument("--pin-malloc", action="store_true", help=argparse.SUPPRESS)  # workers of the memory phase
@@ -293,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         worker(*args.worker, pin_malloc=args.pin_malloc)
         return
     args.variants = args.variants or list(QUICK_VARIANTS if args.quick else VARIANTS)
+    args.models = args.models or list(QUICK_MODELS if args.quick else MODELS)
     if "fp32" not in args.variants:
         parser.error("--variants must include fp32, the reference for ratios and losses")
 
@@ -307,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         fp32 = by_model_fp32[model_name] = by_variant["fp32"]
         for name, r in by_variant.items():
             r["ratio_vs_fp32"] = r["median_step_s"] / fp32["median_step_s"]
+            r["cpu_ratio_vs_fp32"] = r["median_cpu_s"] / fp32["median_cpu_s"]
             if name != "fp32":
                 r["loss_vs_fp32"] = _loss_gap(r["losses"], fp32["losses"])
             results.append(r)

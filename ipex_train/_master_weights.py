@@ -147,10 +147,23 @@ def upcast_inputs(module: nn.Module, args: tuple, kwargs: dict):
     return _cast_call(args, kwargs, torch.float32, LOW_PRECISION)
 
 
-def register_input_casts(model: nn.Module) -> None:
+def upcast_outputs(module: nn.Module, args: tuple, output):
+    """Forward hook of a module whose parameters are all low precision, under the emulated bf16 compute policy:
+    its low-precision outputs (an embedding lookup, an op on bf16 inputs) come back as fp32, so that activations
+    stay fp32 between modules and only the weights are cast."""
+    return _cast_floats(output, torch.float32, LOW_PRECISION, {})
+
+
+_HOOKS = (cast_inputs, upcast_inputs, upcast_outputs)
+
+
+def register_input_casts(model: nn.Module, fp32_activations: bool = False) -> None:
     """Make every module of ``model`` that owns parameters take inputs of any floating dtype.
 
-    * Parameters all bf16/fp16 (converted modules, or a low-precision model): inputs cast to that dtype.
+    * Parameters all bf16/fp16 (converted modules, or a low-precision model): inputs cast to that dtype; with
+      ``fp32_activations`` (the emulated bf16 compute policy, which computes bf16 weights against fp32 inputs in
+      fp32) inputs are left as they are (except for RNN modules, which refuse them) and low-precision outputs are
+      cast up to fp32 instead.
     * An fp32 matrix parameter (two or more dimensions above 1: a bare weight a matmul may use): low-precision
       inputs cast up to fp32, and the module runs as the user wrote it, in fp32.
     * Otherwise (normalisation layers, layer scales, class tokens: fp32 vectors, whatever their view) nothing:
@@ -164,10 +177,14 @@ def register_input_casts(model: nn.Module) -> None:
         return
     for m in model.modules():
         params = [p for p in m._parameters.values() if p is not None and p.is_floating_point()]
-        if not params or any(h in (cast_inputs, upcast_inputs) for h in m._forward_pre_hooks.values()):
+        hooks = list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values())
+        if not params or any(h in _HOOKS for h in hooks):
             continue
         if all(p.dtype == params[0].dtype for p in params) and params[0].dtype in LOW_PRECISION:
-            m.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+            if not fp32_activations or isinstance(m, nn.RNNBase):  # nn.RNN* refuse inputs not in their dtype
+                m.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+            if fp32_activations:
+                m.register_forward_hook(upcast_outputs)
         elif any(p.dtype == torch.float32 and sum(d > 1 for d in p.shape) >= 2 for p in params):
             m.register_forward_pre_hook(upcast_inputs, with_kwargs=True)
 

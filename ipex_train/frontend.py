@@ -10,7 +10,9 @@ other parameter) stay fp32. Each converted module casts its floating-point input
 pre-hook), so fp32 batches and fp32 normalisation outputs feed it; a module keeping an fp32 weight matrix casts
 bf16 inputs up to fp32; torch's CPU LayerNorm/BatchNorm/GroupNorm take bf16 inputs with fp32 weights and return
 bf16. The model output is therefore bf16 when its last layer is converted; ``torch.autocast("cpu",
-dtype=torch.bfloat16)`` around the forward works as well.
+dtype=torch.bfloat16)`` around the forward works as well. Under the emulated bf16 compute policy (CPUs without bf16
+units) activations stay fp32 instead: converted modules take inputs as they come and return fp32, and only their
+weights are cast, inside each fp32 matmul/convolution.
 With dtype=bfloat16 the bf16 compute policy (:mod:`ipex_train.compute_policy`) is attached to the model: on
 CPUs without bf16 units bf16 matmuls/convolutions are computed in fp32 from the bf16 operands.
 
@@ -171,10 +173,18 @@ def _convert(model: nn.Module, dtype: torch.dtype | None, flags: Flags, keep_fp3
     return masters
 
 
-def _attach_compute_policy(model: nn.Module, bf16_compute: str | None) -> None:
-    from . import compute_policy
+def _register_casts_and_policy(model: nn.Module, dtype: torch.dtype | None, bf16_compute: str | None) -> None:
+    """The converted model's dtype hooks, then (bf16) its compute policy. Under the emulated policy activations
+    stay fp32 and only the bf16 weights are cast (inside each fp32 matmul/conv): casting activations to bf16 and
+    back around every layer would only add work where bf16 is computed in fp32 anyway."""
+    policy = None
+    if dtype == torch.bfloat16:
+        from . import compute_policy
 
-    compute_policy.attach(model, compute_policy.resolve(bf16_compute))
+        policy = compute_policy.resolve(bf16_compute)
+    register_input_casts(model, fp32_activations=policy == "emulated")
+    if policy is not None:
+        compute_policy.attach(model, policy)
 
 
 def _inference_passes(model: nn.Module, flags: Flags, sample_input) -> None:
@@ -284,9 +294,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             model, _ = _copy_model(model)
         _inference_passes(model, flags, sample_input)
         _convert(model, dtype, flags, keep_fp32_truth=False)
-        register_input_casts(model)
-        if dtype == torch.bfloat16:
-            _attach_compute_policy(model, bf16_compute)
+        _register_casts_and_policy(model, dtype, bf16_compute)
         jit.enable_torchscript_fusion()
         _summary.record(model, None, dtype)
         return model
@@ -311,14 +319,12 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         for p in model.parameters():
             masters.adopt(p)
         masters.register_hooks(model)
-        register_input_casts(model)
+        _register_casts_and_policy(model, dtype, bf16_compute)
         setattr(model, _ATTR, masters)
         if "transformers" in sys.modules:  # only then can the model be one of its PreTrainedModels
             from .integrations.transformers import keep_fp32_checkpoints
 
             keep_fp32_checkpoints(model)
-        if dtype == torch.bfloat16:
-            _attach_compute_policy(model, bf16_compute)
     if backend is not None:
         backend.place_params(masters, model.parameters())
     cls = user_class(optimizer)

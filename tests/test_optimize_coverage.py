@@ -69,7 +69,7 @@ def test_multihead_attention_goes_bf16_and_trains_like_fp32():
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_transformer_encoder_eval_matches_fp32(grad):
+def test_transformer_encoder_eval_matches_fp32(grad, bf16_activations):
     # Eval under no_grad is where nn.TransformerEncoderLayer would take its fused fast path.
     x, _ = encoder_data()
     padding = torch.zeros(3, 6, dtype=torch.bool)
@@ -84,7 +84,7 @@ def test_transformer_encoder_eval_matches_fp32(grad):
     model.eval()
     with torch.set_grad_enabled(grad):
         got, want = model(x, padding=padding), ref(x, padding=padding)
-    assert got.dtype == BF16
+    assert got.dtype == bf16_activations
     keep = ~padding
     torch.testing.assert_close(got.float()[keep], want[keep], atol=0.05, rtol=0.05)
 
@@ -185,7 +185,7 @@ def test_fp32_optimize_adds_no_input_casts():
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 
-def test_library_classes_are_matched_by_name():
+def test_library_classes_are_matched_by_name(bf16_activations):
     # transformers' Conv1D is recognised by its module and name (so transformers is never imported for it), also
     # through a subclass.
     class Conv1D(nn.Module):
@@ -205,7 +205,7 @@ def test_library_classes_are_matched_by_name():
     model = nn.Sequential(Conv1D(6, 4), nn.ReLU(), Mine(4, 3))
     model, _ = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16)
     assert {p.dtype for p in model.parameters()} == {BF16}
-    assert model(torch.randn(2, 6)).dtype == BF16
+    assert model(torch.randn(2, 6)).dtype == bf16_activations
 
 
 def test_gpt2_trains_in_bf16_like_fp32():

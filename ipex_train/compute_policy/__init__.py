@@ -18,8 +18,15 @@ Policies
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
     linalg.matmul, addbmm, mv, addmv, dot, vdot, bilinear and the RNNs (LSTM, GRU, RNN) are
     computed in fp32 when torch would run them in bf16 (bf16 operands, or fp32 operands under
-    CPU bf16 autocast for the ops autocast lowers) and return bf16. Every other op runs as it
-    would anyway.
+    CPU bf16 autocast for the ops autocast lowers) and return bf16; when bf16 and fp32 operands
+    meet without autocast (bf16 weights, fp32 activations: a mix torch refuses) they are computed
+    in fp32 and return fp32. Every other op runs as it would anyway.
+
+    ``optimize(dtype=torch.bfloat16)`` under this policy keeps the activations fp32: converted
+    modules take their inputs as they come and hand back fp32 (an embedding's bf16 lookup is cast
+    up), so the only casts are each weight's, once per forward (its fp32 copy is saved for
+    backward), and its gradient's back to bf16. Casting activations to bf16 around every layer
+    would add work and round them, and buys nothing where bf16 is computed in fp32 anyway.
 
 :func:`resolve` picks the policy (argument > ``IPEX_TRAIN_BF16_COMPUTE`` > CPU features) and logs
 it once on the ``"ipex_train"`` logger.
@@ -39,9 +46,12 @@ linears and attention inside them are seen too.
 forward's scope, where no torch-function mode sees them. Each emulated op is therefore a custom
 :class:`torch.autograd.Function` whose backward also computes in fp32 and returns gradients in
 each input's dtype (bf16 for bf16 weights, fp32 for fp32 weights under autocast). The Functions
-save the bf16 inputs, not fp32 copies, and upcast them again in backward: activation memory
-stays that of bf16 training. Attention saves its fp32 output and log-sum-exp, which the fused
-attention backward needs; that is what fp32 training saves for it.
+save activation inputs as they come (not fp32 copies of bf16 ones: bf16 activation memory stays
+that of bf16 training); linear and convolution save their weight's fp32 copy instead of casting
+it again. Attention saves its fp32 output and log-sum-exp, which the fused attention backward
+needs; that is what fp32 training saves for it. bf16 weights on fp32 activations need no
+Function: the op runs on autograd-tracked fp32 casts of the weights, so its backward runs in C++
+in fp32 and the cast's backward rounds the weight grad to bf16 (no Python per op in backward).
 
 Unusual argument forms (``out=``, ``padding="same"`` with an even kernel, attention with dropout
 or a differentiable mask) are upcast at the autograd level instead (fp32 compute, autograd saves

@@ -1,7 +1,9 @@
 """The emulated policy's fp32 autograd Functions: bf16 operands in, fp32 math forward and backward, bf16 out.
 
-Each Function saves its bf16 inputs (not fp32 copies) and upcasts them again in backward, so activation memory
-stays that of bf16 training; gradients come back in each input's dtype.
+Each Function saves its activation inputs as they come (not fp32 copies of bf16 ones), so activation memory stays
+that of the activations' dtype; linear and convolution save the fp32 copy of their weight instead of casting it
+again in backward (one cast per weight per forward: under optimize() the weights are bf16 and the activations
+fp32, so weight casts are most of the policy's extra work). Gradients come back in each input's dtype.
 """
 from __future__ import annotations
 
@@ -37,50 +39,54 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, out_dtype):
-        ctx.save_for_backward(x, w)
-        ctx.bias_dtype = None if b is None else b.dtype
+        w32 = _f32(w)
+        ctx.save_for_backward(x, w32)
+        ctx.dtypes = (w.dtype, None if b is None else b.dtype)
         with _fp32_region():
-            y = F.linear(_rows32(x), _f32(w), _f32(b))
+            y = F.linear(_rows32(x), w32, _f32(b))
         return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
 
     @staticmethod
     def backward(ctx, g):
-        x, w = ctx.saved_tensors
+        x, w32 = ctx.saved_tensors
         need_x, need_w, need_b, _ = ctx.needs_input_grad
+        w_dtype, b_dtype = ctx.dtypes
         gx = gw = gb = None
         with _fp32_region():
             g2 = _rows32(g)
             if need_x:
-                gx = (g2 @ _f32(w)).view(x.shape).to(x.dtype)
+                gx = (g2 @ w32).view(x.shape).to(x.dtype)
             if need_w:
-                gw = (g2.T @ _rows32(x)).to(w.dtype)
+                gw = (g2.T @ _rows32(x)).to(w_dtype)
             if need_b:
-                gb = g2.sum(0).to(ctx.bias_dtype)
+                gb = g2.sum(0).to(b_dtype)
         return gx, gw, gb, None
 
 
 class _Conv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups, out_dtype):
-        ctx.save_for_backward(x, w)
+        w32 = w.float()
+        ctx.save_for_backward(x, w32)
+        ctx.w_dtype = w.dtype
         ctx.bias = None if b is None else (b.shape, b.dtype)
         ctx.params = (stride, padding, dilation, transposed, output_padding, groups)
         with _fp32_region():
-            y = torch.ops.aten.convolution(x.float(), w.float(), _f32(b), *ctx.params)
+            y = torch.ops.aten.convolution(x.float(), w32, _f32(b), *ctx.params)
         return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx, g):
-        x, w = ctx.saved_tensors
+        x, w32 = ctx.saved_tensors
         need = ctx.needs_input_grad
         bias_sizes = None if ctx.bias is None else list(ctx.bias[0])
         with _fp32_region():
             gx, gw, gb = torch.ops.aten.convolution_backward(
-                g.float(), x.float(), w.float(), bias_sizes, *ctx.params, [need[0], need[1], need[2]]
+                g.float(), x.float(), w32, bias_sizes, *ctx.params, [need[0], need[1], need[2]]
             )
         return (
             _cast(gx, x.dtype) if need[0] else None,
-            _cast(gw, w.dtype) if need[1] else None,
+            _cast(gw, ctx.w_dtype) if need[1] else None,
             _cast(gb, ctx.bias[1]) if need[2] else None,
         ) + (None,) * 7
 

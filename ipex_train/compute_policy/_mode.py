@@ -22,24 +22,32 @@ def _bind(names, defaults, args, kwargs):
     return bound
 
 
-def _runs_in_bf16(tensors, autocast_lowers: bool = True) -> bool:
-    """Whether torch would run an op on these operands in bf16 on the CPU (``autocast_lowers``: whether CPU bf16
-    autocast runs this op in bf16; it leaves mv, dot, addmv and bilinear in fp32)."""
+def _emulated_dtype(tensors, autocast_lowers: bool = True) -> torch.dtype | None:
+    """The dtype an emulated op returns on these operands, or None when torch would not run it in bf16 on the CPU
+    (``autocast_lowers``: whether CPU bf16 autocast runs this op in bf16; it leaves mv, dot, addmv and bilinear in
+    fp32).
+
+    bf16 when every floating operand is bf16, or under CPU bf16 autocast (which would lower fp32 operands);
+    fp32 when bf16 and fp32 operands meet without autocast: bf16-stored weights applied to fp32 activations,
+    which optimize() keeps under this policy (torch itself refuses the mix; the result is torch's promoted dtype).
+    """
     floats = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not floats or any(t.device.type != "cpu" for t in floats):
-        return False
+        return None
+    dtypes = {t.dtype for t in floats}
+    if not dtypes <= {torch.bfloat16, torch.float32}:
+        return None
     if autocast_lowers and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
-        allowed = (torch.bfloat16, torch.float32)
-    else:
-        # Mixed dtypes without autocast are an error in torch; let torch raise it.
-        allowed = (torch.bfloat16,)
-    return all(t.dtype in allowed for t in floats)
+        return torch.bfloat16
+    if torch.bfloat16 not in dtypes:
+        return None
+    return torch.bfloat16 if len(dtypes) == 1 else torch.float32
 
 
-def _upcast_call(func, args, kwargs):
+def _upcast_call(func, args, kwargs, out_dtype):
     """Generic path: call ``func`` on fp32 copies (autograd-tracked casts, so backward computes in fp32 too),
-    return bf16. Tensors inside list/tuple arguments (einsum operands, RNN weights and states) are cast as well,
-    and every floating output of a tuple result (an RNN's output and states) comes back bf16."""
+    return ``out_dtype``. Tensors inside list/tuple arguments (einsum operands, RNN weights and states) are cast as
+    well, and every floating output of a tuple result (an RNN's output and states) comes back in ``out_dtype``."""
 
     def up(x):
         if isinstance(x, (list, tuple)):
@@ -49,20 +57,22 @@ def _upcast_call(func, args, kwargs):
     def down(x):
         if isinstance(x, (list, tuple)):
             return type(x)(down(v) for v in x)
-        return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
+        return x.to(out_dtype) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
 
     kwargs = dict(kwargs)
     out = kwargs.pop("out", None)
     with _fp32_region():
-        result = down(func(*map(up, args), **{key: up(value) for key, value in kwargs.items()}))
+        result = func(*map(up, args), **{key: up(value) for key, value in kwargs.items()})
+        if out_dtype != torch.float32:
+            result = down(result)
     return result if out is None else out.copy_(result)
 
 
-def _linear(func, args, kwargs):
+def _linear(func, args, kwargs, out_dtype):
     a = _bind(("input", "weight", "bias"), {"bias": None}, args, kwargs)
     if a is None:
-        return _upcast_call(func, args, kwargs)
-    return _Linear.apply(a["input"], a["weight"], a["bias"], torch.bfloat16)
+        return _upcast_call(func, args, kwargs, out_dtype)
+    return _Linear.apply(a["input"], a["weight"], a["bias"], out_dtype)
 
 
 def _tuple(value, n):
@@ -82,10 +92,10 @@ def _conv(n, transposed):
     )
     defaults = {"bias": None, "stride": 1, "padding": 0, "output_padding": 0, "dilation": 1, "groups": 1}
 
-    def impl(func, args, kwargs):
+    def impl(func, args, kwargs, out_dtype):
         a = _bind(names, defaults, args, kwargs)
         if a is None or a["input"].dim() != n + 2:
-            return _upcast_call(func, args, kwargs)
+            return _upcast_call(func, args, kwargs, out_dtype)
         padding = a["padding"]
         if padding == "valid":
             padding = 0
@@ -93,22 +103,22 @@ def _conv(n, transposed):
             padding = _same_padding(a["weight"], a["dilation"], n)
             if padding is None or any(s != 1 for s in _tuple(a["stride"], n)):
                 # Asymmetric or (invalid) strided "same": torch's own implementation handles it.
-                return _upcast_call(func, args, kwargs)
+                return _upcast_call(func, args, kwargs, out_dtype)
         return _Conv.apply(
             a["input"], a["weight"], a["bias"], _tuple(a["stride"], n), _tuple(padding, n),
             _tuple(a["dilation"], n), transposed, _tuple(a["output_padding"] if transposed else 0, n),
-            a["groups"], torch.bfloat16,
+            a["groups"], out_dtype,
         )
 
     return impl
 
 
 def _matmul(op, swap=False):
-    def impl(func, args, kwargs):
+    def impl(func, args, kwargs, out_dtype):
         if kwargs or len(args) != 2:
-            return _upcast_call(func, args, kwargs)
+            return _upcast_call(func, args, kwargs, out_dtype)
         a, b = (args[1], args[0]) if swap else args
-        return _Matmul.apply(a, b, op, torch.bfloat16)
+        return _Matmul.apply(a, b, op, out_dtype)
 
     return impl
 
@@ -116,11 +126,11 @@ def _matmul(op, swap=False):
 def _add_matmul(op):
     names = ("input", "mat1", "mat2") if op is torch.addmm else ("input", "batch1", "batch2")
 
-    def impl(func, args, kwargs):
+    def impl(func, args, kwargs, out_dtype):
         a = _bind(names + ("beta", "alpha"), {"beta": 1, "alpha": 1}, args, kwargs)
         if a is None:
-            return _upcast_call(func, args, kwargs)
-        return _AddMatmul.apply(*(a[name] for name in names), a["beta"], a["alpha"], op, torch.bfloat16)
+            return _upcast_call(func, args, kwargs, out_dtype)
+        return _AddMatmul.apply(*(a[name] for name in names), a["beta"], a["alpha"], op, out_dtype)
 
     return impl
 
@@ -130,11 +140,14 @@ _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
-def _sdpa(func, args, kwargs):
+def _sdpa(func, args, kwargs, out_dtype):
     a = _bind(_SDPA_NAMES, _SDPA_DEFAULTS, args, kwargs)
     if a is None:
-        return _upcast_call(func, args, kwargs)
+        return _upcast_call(func, args, kwargs, out_dtype)
     q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+    if out_dtype == torch.float32 and mask is not None and mask.dtype == torch.bfloat16:
+        # A bf16 additive mask (built in the weights' dtype) beside fp32 activations: the kernel takes one dtype.
+        mask = mask.float()
     fused = (
         # torch.compile cannot trace _fused_sdp_choice (it returns an int): compiled graphs take the generic fp32
         # upcast, whose fp32 saved operands the compiler may then rematerialise.
@@ -146,8 +159,8 @@ def _sdpa(func, args, kwargs):
         and torch._fused_sdp_choice(q, k, v, mask, 0.0, a["is_causal"], scale=a["scale"]) == _FLASH
     )
     if not fused:
-        return _upcast_call(func, args, kwargs)
-    return _FlashAttention.apply(q, k, v, mask, a["is_causal"], a["scale"], torch.bfloat16)
+        return _upcast_call(func, args, kwargs, out_dtype)
+    return _FlashAttention.apply(q, k, v, mask, a["is_causal"], a["scale"], out_dtype)
 
 
 def _operands(args, kwargs):
@@ -227,14 +240,21 @@ _TRANSPARENT = {
 
 
 class _EmulationMode(TorchFunctionMode):
-    """Routes the ops in _EMULATED to their fp32 implementations when torch would run them in bf16."""
+    """Routes the ops in _EMULATED to their fp32 implementations when torch would run them in bf16 (or refuse
+    their mix of bf16 and fp32 operands)."""
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         impl = _EMULATED.get(func)
         if impl is not None:
-            if _runs_in_bf16(_operands(args, kwargs), func not in _NOT_LOWERED_BY_AUTOCAST):
-                return impl(func, args, kwargs)
+            out_dtype = _emulated_dtype(_operands(args, kwargs), func not in _NOT_LOWERED_BY_AUTOCAST)
+            if out_dtype == torch.float32:
+                # bf16 weights on fp32 activations: casting the weights up (autograd-tracked) is all it takes. The
+                # op and its backward then run in C++ on fp32, saving the fp32 weight copy, and the cast's backward
+                # rounds the weight grad to bf16; a Python Function per op would only add overhead.
+                return _upcast_call(func, args, kwargs, out_dtype)
+            if out_dtype is not None:
+                return impl(func, args, kwargs, out_dtype)
             return func(*args, **kwargs)
         body = _TRANSPARENT.get(func)
         if body is not None:

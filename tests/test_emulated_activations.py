@@ -1,0 +1,170 @@
+"""optimize(dtype=bf16) under the emulated compute policy: activations stay fp32, and the only bf16<->fp32 casts of a
+train step are each converted parameter's (its fp32 copy in forward, its grad back to bf16), with no bf16 matmul or
+convolution kernel. The policy is forced, so these run the same on CPUs with and without bf16 units.
+
+Tolerance: with fp32 activations the forward is an fp32 computation on the bf16-rounded weights, so it matches an fp32
+model holding those rounded weights up to summation order (rtol 1e-5); weight grads are rounded to bf16 once (rtol
+2**-8, as in test_compute_policy).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ipex_train
+from ipex_train import compute_policy
+
+BF16 = torch.bfloat16
+A = torch.ops.aten
+HEAVY = {A.mm, A.addmm, A.bmm, A.convolution, A.convolution_backward, A.mkldnn_rnn_layer,
+         A.mkldnn_rnn_layer_backward}
+
+
+class Casts(TorchDispatchMode):
+    """Records every bf16<->fp32 conversion (its shape) and every heavy kernel that gets a bf16 operand."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts, self.heavy, self.bf16_heavy = [], [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket in (A._to_copy, A.copy_) and isinstance(out, torch.Tensor):
+            source = args[1] if func.overloadpacket is A.copy_ else args[0]
+            if {source.dtype, out.dtype} == {BF16, torch.float32}:
+                self.casts.append(tuple(out.shape))
+        if func.overloadpacket in HEAVY:
+            self.heavy.append(func)
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+            if any(t.dtype == BF16 for t in tensors):
+                self.bf16_heavy.append(func)
+        return out
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.head = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        return self.head(self.conv2(F.relu(self.bn(self.conv1(x)))).flatten(1))
+
+
+class TokenNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.rnn(self.emb(ids))[0])).mean(1)
+
+
+CASES = {
+    "conv": (ConvNet, lambda g: torch.randn(4, 3, 8, 8, generator=g)),
+    "tokens": (TokenNet, lambda g: torch.randint(0, 20, (4, 6), generator=g)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_activations_stay_fp32_and_only_parameters_are_cast(name):
+    make, data = CASES[name]
+    g = torch.Generator().manual_seed(1)
+    x, y = data(g), torch.randint(0, 5, (4,), generator=g)
+    torch.manual_seed(0)
+    model = make()
+    model, opt = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
+                                     bf16_compute="emulated")
+    converted = [p for p in model.parameters() if p.dtype == BF16]
+    assert converted
+    seen = []
+    for m in model.modules():
+        if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm)):
+            m.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+
+    for _ in range(2):  # the second step runs on stepped weights
+        with Casts() as casts:
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            opt.zero_grad()
+            loss.backward()
+        opt.step()
+        assert out.dtype == torch.float32 and seen and set(seen) == {torch.float32}
+        assert casts.bf16_heavy == []
+        if name == "conv":
+            # One cast up per parameter in forward and one of its grad down in backward, nothing else.
+            assert sorted(casts.casts) == sorted([tuple(p.shape) for p in converted] * 2)
+        else:
+            # An embedding table is never cast (only its looked-up rows are read: the lookup is cast up). nn.LSTM
+            # refuses inputs of another dtype than its weights, so around it activations are cast down and up.
+            assert tuple(model.emb.weight.shape) not in casts.casts
+        assert all(p.grad is None or p.grad.dtype == p.dtype for p in model.parameters())
+
+
+def test_forward_is_fp32_on_the_rounded_weights():
+    torch.manual_seed(0)
+    ref = ConvNet()
+    model = copy.deepcopy(ref)
+    model, _ = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
+                                   bf16_compute="emulated")
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if model.get_parameter(name).dtype == BF16:
+                p.copy_(p.to(BF16).float())
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+    out, want = model(x), ref(x)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    F.cross_entropy(out, y).backward()
+    F.cross_entropy(want, y).backward()
+    for name, p in ref.named_parameters():
+        got = model.get_parameter(name).grad
+        atol = 1e-5 * float(p.grad.abs().max())
+        torch.testing.assert_close(got.float(), p.grad, rtol=2**-8 if got.dtype == BF16 else 1e-5, atol=atol)
+
+
+MIXED = {
+    "linear": (lambda x, w, b: F.linear(x, w, b), [(2, 5, 16), (24, 16), (24,)]),
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, padding=1), [(2, 4, 9, 9), (6, 4, 3, 3), (6,)]),
+    "matmul": (torch.matmul, [(3, 4, 8), (8, 5)]),
+    "lstm": (lambda x, *w: torch.lstm(x, (torch.zeros(1, 2, 3), torch.zeros(1, 2, 3)), w, True, 1, 0.0, True, False,
+                                      True)[0], [(2, 4, 6), (12, 6), (12, 3), (12,), (12,)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED))
+def test_fp32_activations_with_bf16_weights_compute_in_fp32(name):
+    # What optimize() runs under the emulated policy: fp32 activations, bf16-stored weights. Torch refuses the mix;
+    # the policy computes it in fp32 (exact on the bf16 weight values), returns fp32 and gives each input its own
+    # dtype's grad, with no bf16 kernel and no bf16 rounding of the activations.
+    fn, shapes = MIXED[name]
+    torch.manual_seed(0)
+    x = torch.randn(shapes[0], requires_grad=True)
+    weights = [torch.randn(s).to(BF16).requires_grad_() for s in shapes[1:]]
+    with pytest.raises(RuntimeError):
+        fn(x, *weights)
+    with Casts() as casts:
+        with compute_policy.emulated_bf16():
+            out = fn(x, *weights)
+        out.backward(torch.ones_like(out))
+    assert casts.heavy and casts.bf16_heavy == []
+    assert out.dtype == torch.float32 and x.grad.dtype == torch.float32
+    assert all(w.grad.dtype == BF16 for w in weights)
+
+    reference_weights = [w.detach().float().requires_grad_() for w in weights]
+    x_ref = x.detach().requires_grad_()
+    reference = fn(x_ref, *reference_weights)
+    reference.backward(torch.ones_like(reference))
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    for w, r in zip(weights, reference_weights):  # one bf16 rounding of the fp32 grad
+        torch.testing.assert_close(w.grad.float(), r.grad, rtol=2**-8, atol=1e-5 * float(r.grad.abs().max()))
