@@ -15,7 +15,7 @@
 //                value = scale * sign(q) * (|q| * fl(1/127))^4. A fourth-power map: the relative step shrinks
 //                toward small values more slowly than a square law's, so first moments and momentum a tenth or a
 //                thousandth of their block's largest still move when updated (round-to-nearest on a square law left
-//                them stuck: Lamb's digits loss was +0.5% to +1.6% against fp32 state, +0.5% mean on the new map).
+//                them stuck: Lamb's digits loss was +0.5% to +1.6% against fp32 state; -0.46% mean on this map).
 //   kQ8Unsigned  as kQ8Signed for state that is never negative (second moments): uint8 codes,
 //                value = scale * (q * fl(1/255))^4.
 // The int8 formats round to nearest in the code domain: r = min(|x| * fl(1/scale), 1), q = trunc(sqrt(sqrt(r)) *
