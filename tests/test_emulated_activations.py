@@ -1,12 +1,14 @@
 """optimize(dtype=bf16) under the emulated compute policy: activations stay fp32, and the only bf16<->fp32 casts of a
-train step are each converted parameter's (its fp32 copy in forward, its grad back to bf16), with no bf16 matmul or
-convolution kernel. The policy is forced, so these run the same on CPUs with and without bf16 units.
+train step are each converted parameter's (its fp32 copy in forward, again for backward, its grad back to bf16),
+with no bf16 matmul or convolution kernel, and autograd keeps no fp32 copy of a weight from forward to backward. The policy is forced, so these run the same on CPUs with and without bf16 units.
 
 Tolerance: with fp32 activations the forward is an fp32 computation on the bf16-rounded weights, so it matches an fp32
 model holding those rounded weights up to summation order (rtol 1e-5); weight grads are rounded to bf16 once (rtol
 2**-8, as in test_compute_policy).
 """
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -102,8 +104,10 @@ def test_activations_stay_fp32_and_only_parameters_are_cast(name):
         assert out.dtype == torch.float32 and seen and set(seen) == {torch.float32}
         assert casts.bf16_heavy == []
         if name == "conv":
-            # One cast up per parameter in forward and one of its grad down in backward, nothing else.
-            assert sorted(casts.casts) == sorted([tuple(p.shape) for p in converted] * 2)
+            # One cast up per parameter in forward and one of its grad down in backward; backward casts each
+            # weight up once more instead of autograd keeping its fp32 copy (biases are not saved).
+            weights = [tuple(p.shape) for p in converted if p.dim() > 1]
+            assert sorted(casts.casts) == sorted([tuple(p.shape) for p in converted] * 2 + weights)
         else:
             # An embedding table is never cast (only its looked-up rows are read: the lookup is cast up). nn.LSTM
             # refuses inputs of another dtype than its weights, so around it activations are cast down and up.
@@ -168,3 +172,112 @@ def test_fp32_activations_with_bf16_weights_compute_in_fp32(name):
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
     for w, r in zip(weights, reference_weights):  # one bf16 rounding of the fp32 grad
         torch.testing.assert_close(w.grad.float(), r.grad, rtol=2**-8, atol=1e-5 * float(r.grad.abs().max()))
+
+
+class WeightCopies(TorchDispatchMode):
+    """Weak references to every fp32 copy made of a bf16 tensor of one of ``shapes``."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.copies = set(shapes), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func.overloadpacket is A._to_copy and args[0].dtype == BF16 and out.dtype == torch.float32
+                and tuple(out.shape) in self.shapes):
+            self.copies.append(weakref.ref(out))
+        return out
+
+
+@pytest.mark.parametrize("name", ["conv", "transformer"])
+def test_fp32_weight_copies_are_not_kept_for_backward(name):
+    # Autograd would keep each weight's fp32 copy from forward to backward: 4 bytes per parameter on top of the
+    # bf16 weights and their fp32 truth, above fp32 training's peak. The policy saves the bf16 weight instead.
+    torch.manual_seed(0)
+    if name == "conv":
+        model, x = ConvNet(), torch.randn(4, 3, 8, 8)
+    else:
+        model, x = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), torch.randn(2, 5, 16)
+    reference = copy.deepcopy(model)
+    model, _ = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
+                                   bf16_compute="emulated")
+    with torch.no_grad():  # the reference computes on the same (bf16-rounded) weights in fp32
+        for n, p in reference.named_parameters():
+            p.copy_(model.get_parameter(n).float())
+    with WeightCopies(tuple(p.shape) for p in model.parameters() if p.dtype == BF16) as mode:
+        loss = model(x).square().mean()
+    assert mode.copies
+    gc.collect()
+    assert [r for r in mode.copies if r() is not None] == []
+    loss.backward()
+    reference(x).square().mean().backward()
+    for n, p in reference.named_parameters():
+        got = model.get_parameter(n).grad.float()
+        torch.testing.assert_close(got, p.grad, rtol=2**-8, atol=1e-5 * float(p.grad.abs().max()))
+
+
+def test_weight_written_between_forward_and_backward_is_an_error():
+    # As autograd says for any saved tensor modified in place; the fp32 copy it no longer keeps would hide it.
+    torch.manual_seed(0)
+    model = ConvNet()
+    model, _ = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
+                                   bf16_compute="emulated")
+    loss = model(torch.randn(2, 3, 8, 8)).sum()
+    with torch.no_grad():
+        next(p for p in model.parameters() if p.dim() > 1).add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_activation_checkpointing_keeps_its_own_saving():
+    # Under torch.utils.checkpoint (its own saved-tensor hooks) the policy leaves saving to it: same grads.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = ConvNet()
+    model, _ = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
+                                   bf16_compute="emulated")
+    x = torch.randn(2, 3, 8, 8)
+    model(x).sum().backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    checkpoint(model, x, use_reentrant=False).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, plain[n])
+
+
+class LargeNet(nn.Module):
+    # Weights above _saved's scratch threshold (64K elements): their casts go through the reused buffers.
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(64, 128, 3)
+        self.fc = nn.Linear(128 * 4 * 4, 64)
+        self.proj = nn.Linear(256, 512)
+
+    def forward(self, x, tokens):
+        return self.fc(F.relu(self.conv(x)).flatten(1)).sum() + self.proj(tokens).square().mean()
+
+
+def test_large_weight_casts_through_scratch_buffers_match_fp32():
+    from ipex_train.compute_policy import _saved
+
+    torch.manual_seed(0)
+    model = LargeNet()
+    reference = copy.deepcopy(model)
+    model, _ = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
+                                   bf16_compute="emulated")
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            p.copy_(model.get_parameter(n).float())
+    x, tokens = torch.randn(2, 64, 6, 6), torch.randn(2, 3, 256)
+    for _ in range(2):  # the second pass reuses the buffers the first one filled; grads accumulate
+        with WeightCopies(tuple(p.shape) for p in model.parameters() if p.dtype == BF16) as mode:
+            loss = model(x, tokens)
+        gc.collect()
+        assert mode.copies == [] or all(r() is None for r in mode.copies)
+        loss.backward()
+        reference(x, tokens).backward()
+    assert _saved._scratch.forward.numel() >= 128 * 64 * 9 and _saved._scratch.backward.numel() >= 128 * 64 * 9
+    for n, p in reference.named_parameters():
+        got = model.get_parameter(n).grad.float()
+        torch.testing.assert_close(got, p.grad, rtol=2**-7, atol=1e-5 * float(p.grad.abs().max()))

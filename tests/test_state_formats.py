@@ -166,6 +166,17 @@ def test_int8_encode_decode_encode_is_exact(signed):
     assert float(err[big].max()) < 0.15
 
 
+@pytest.mark.parametrize("fmt,signed", [(torch.bfloat16, True), ("int8", True), ("int8", False)])
+def test_fresh_zero_state_is_the_encoding_of_zeros(fmt, signed):
+    # Fresh state is made in its format directly (no fp32 temporaries at the first step); it must be what encoding
+    # fp32 zeros gives, bit for bit.
+    p = torch.empty(70, 300).t()  # column-major: the layout a state tensor follows
+    got = sf.zeros(p, fmt, signed)
+    want = sf.encode(torch.zeros_like(p), p, fmt, signed)
+    assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+    assert torch.equal(got.view(torch.uint8) if fmt == "int8" else got, want.view(torch.uint8) if fmt == "int8" else want)
+
+
 def test_kernel_int8_state_reencodes_to_the_same_codes():
     # A step with lr=0 and grads of zero from momentum=1 state leaves momentum unchanged: the kernel must store
     # exactly the codes it read (its encode(decode(q)) == q).

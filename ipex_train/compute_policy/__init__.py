@@ -24,8 +24,8 @@ Policies
 
     ``optimize(dtype=torch.bfloat16)`` under this policy keeps the activations fp32: converted
     modules take their inputs as they come and hand back fp32 (an embedding's bf16 lookup is cast
-    up), so the only casts are each weight's, once per forward (its fp32 copy is saved for
-    backward), and its gradient's back to bf16. Casting activations to bf16 around every layer
+    up), so the only casts are each weight's, once per forward and once more in backward
+    (autograd keeps the bf16 weight, not its fp32 copy), and its gradient's back to bf16. Casting activations to bf16 around every layer
     would add work and round them, and buys nothing where bf16 is computed in fp32 anyway.
 
 :func:`resolve` picks the policy (argument > ``IPEX_TRAIN_BF16_COMPUTE`` > CPU features) and logs
@@ -46,16 +46,18 @@ linears and attention inside them are seen too.
 forward's scope, where no torch-function mode sees them. Each emulated op is therefore a custom
 :class:`torch.autograd.Function` whose backward also computes in fp32 and returns gradients in
 each input's dtype (bf16 for bf16 weights, fp32 for fp32 weights under autocast). The Functions
-save activation inputs as they come (not fp32 copies of bf16 ones: bf16 activation memory stays
-that of bf16 training); linear and convolution save their weight's fp32 copy instead of casting
-it again. Attention saves its fp32 output and log-sum-exp, which the fused attention backward
-needs; that is what fp32 training saves for it. bf16 weights on fp32 activations need no
-Function: the op runs on autograd-tracked fp32 casts of the weights, so its backward runs in C++
-in fp32 and the cast's backward rounds the weight grad to bf16 (no Python per op in backward).
+save their inputs as they come (not fp32 copies of bf16 ones: saved memory stays that of bf16
+training) and cast them again in backward. Attention saves its fp32 output and log-sum-exp, which
+the fused attention backward needs; that is what fp32 training saves for it. bf16 weights on fp32
+activations need no Function: the op runs on autograd-tracked fp32 casts of the weights, so its
+backward runs in C++ in fp32 and the cast's backward rounds the weight grad to bf16 (no Python
+Function per op in backward). Saved-tensor hooks around that op make autograd keep the bf16 weight
+instead of its fp32 copy and cast it again when backward unpacks it: an fp32 copy of every weight
+alive from forward to backward would put peak memory above fp32 training's. Under activation
+checkpointing (hooks of its own) and torch.compile the copies are saved as autograd would.
 
 Unusual argument forms (``out=``, ``padding="same"`` with an even kernel, attention with dropout
-or a differentiable mask) are upcast at the autograd level instead (fp32 compute, autograd saves
-the fp32 copies): still no bf16 matmul, at the memory cost of fp32 for that op.
+or a differentiable mask) take the same autograd-level path: still no bf16 matmul.
 
 Layout: this module chooses the policy and attaches/scopes it; ``_functions`` holds the fp32 autograd
 Functions; ``_mode`` holds the op table and the TorchFunctionMode that routes ops to them.

@@ -1,9 +1,8 @@
 """The emulated policy's fp32 autograd Functions: bf16 operands in, fp32 math forward and backward, bf16 out.
 
-Each Function saves its activation inputs as they come (not fp32 copies of bf16 ones), so activation memory stays
-that of the activations' dtype; linear and convolution save the fp32 copy of their weight instead of casting it
-again in backward (one cast per weight per forward: under optimize() the weights are bf16 and the activations
-fp32, so weight casts are most of the policy's extra work). Gradients come back in each input's dtype.
+Each Function saves its inputs as they come (not fp32 copies of bf16 ones), so saved memory stays that of the
+inputs' dtype, and casts them again in backward. Gradients come back in each input's dtype. (``_saved`` does the
+same for ops autograd runs in C++ on fp32 casts of bf16 tensors: bf16 weights on fp32 activations.)
 """
 from __future__ import annotations
 
@@ -39,23 +38,22 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, out_dtype):
-        w32 = _f32(w)
-        ctx.save_for_backward(x, w32)
+        ctx.save_for_backward(x, w)
         ctx.dtypes = (w.dtype, None if b is None else b.dtype)
         with _fp32_region():
-            y = F.linear(_rows32(x), w32, _f32(b))
+            y = F.linear(_rows32(x), _f32(w), _f32(b))
         return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
 
     @staticmethod
     def backward(ctx, g):
-        x, w32 = ctx.saved_tensors
+        x, w = ctx.saved_tensors
         need_x, need_w, need_b, _ = ctx.needs_input_grad
         w_dtype, b_dtype = ctx.dtypes
         gx = gw = gb = None
         with _fp32_region():
             g2 = _rows32(g)
             if need_x:
-                gx = (g2 @ w32).view(x.shape).to(x.dtype)
+                gx = (g2 @ _f32(w)).view(x.shape).to(x.dtype)
             if need_w:
                 gw = (g2.T @ _rows32(x)).to(w_dtype)
             if need_b:
@@ -66,23 +64,22 @@ class _Linear(torch.autograd.Function):
 class _Conv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups, out_dtype):
-        w32 = w.float()
-        ctx.save_for_backward(x, w32)
+        ctx.save_for_backward(x, w)
         ctx.w_dtype = w.dtype
         ctx.bias = None if b is None else (b.shape, b.dtype)
         ctx.params = (stride, padding, dilation, transposed, output_padding, groups)
         with _fp32_region():
-            y = torch.ops.aten.convolution(x.float(), w32, _f32(b), *ctx.params)
+            y = torch.ops.aten.convolution(x.float(), w.float(), _f32(b), *ctx.params)
         return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx, g):
-        x, w32 = ctx.saved_tensors
+        x, w = ctx.saved_tensors
         need = ctx.needs_input_grad
         bias_sizes = None if ctx.bias is None else list(ctx.bias[0])
         with _fp32_region():
             gx, gw, gb = torch.ops.aten.convolution_backward(
-                g.float(), x.float(), w32, bias_sizes, *ctx.params, [need[0], need[1], need[2]]
+                g.float(), x.float(), w.float(), bias_sizes, *ctx.params, [need[0], need[1], need[2]]
             )
         return (
             _cast(gx, x.dtype) if need[0] else None,

@@ -1,12 +1,14 @@
 """The emulated policy's op table and the TorchFunctionMode that routes bf16 matmul-class calls through it."""
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import _saved
 from ._functions import _AddMatmul, _Conv, _FlashAttention, _fp32_region, _Linear, _Matmul
 
 
@@ -44,25 +46,51 @@ def _emulated_dtype(tensors, autocast_lowers: bool = True) -> torch.dtype | None
     return torch.bfloat16 if len(dtypes) == 1 else torch.float32
 
 
-def _upcast_call(func, args, kwargs, out_dtype):
+def _no_outer_saved_hooks() -> bool:
+    # Activation checkpointing and offloading save through hooks of their own: an inner hook would take the saved
+    # tensors from them (kept instead of recomputed). torch has no public query for the active hooks.
+    return (torch._C._autograd._saved_tensors_hooks_is_enabled()
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)
+
+
+def _bf16_tensors(x, found: dict[int, torch.Tensor]) -> None:
+    if isinstance(x, (list, tuple)):
+        for v in x:
+            _bf16_tensors(v, found)
+    elif isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16:
+        found.setdefault(id(x), x)
+
+
+def _upcast_call(func, args, kwargs, out_dtype, scratch: bool = False):
     """Generic path: call ``func`` on fp32 copies (autograd-tracked casts, so backward computes in fp32 too),
     return ``out_dtype``. Tensors inside list/tuple arguments (einsum operands, RNN weights and states) are cast as
-    well, and every floating output of a tuple result (an RNN's output and states) comes back in ``out_dtype``."""
+    well, and every floating output of a tuple result (an RNN's output and states) comes back in ``out_dtype``.
+    Autograd keeps the bf16 tensors, not the fp32 copies, for backward (``_saved``); ``scratch`` (ops whose outputs
+    never alias their inputs: linear, convolution) lets large casts use reused buffers."""
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out", None)
+    found: dict[int, torch.Tensor] = {}
+    _bf16_tensors([*args, *kwargs.values()], found)
+    sources = list(found.values())
+    # Compiled graphs choose what to save themselves (saved-tensor hooks would break the graph).
+    recast = (bool(sources) and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+              and _no_outer_saved_hooks() and any(s.requires_grad for s in sources))
+    scratch = scratch and recast  # a scratch cast must never be saved as it is: only under recast_saved
+    casts = dict(zip(found, _saved.cast_up(sources, scratch)))
 
     def up(x):
         if isinstance(x, (list, tuple)):
             return type(x)(up(v) for v in x)
-        return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 else x
+        return casts.get(id(x), x) if isinstance(x, torch.Tensor) else x
 
     def down(x):
         if isinstance(x, (list, tuple)):
             return type(x)(down(v) for v in x)
         return x.to(out_dtype) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
 
-    kwargs = dict(kwargs)
-    out = kwargs.pop("out", None)
-    with _fp32_region():
-        result = func(*map(up, args), **{key: up(value) for key, value in kwargs.items()})
+    saving = _saved.recast_saved(sources, list(casts.values()), scratch) if recast else contextlib.nullcontext()
+    with _fp32_region(), saving:
+        result = func(*up(args), **{key: up(value) for key, value in kwargs.items()})
         if out_dtype != torch.float32:
             result = down(result)
     return result if out is None else out.copy_(result)
@@ -202,6 +230,10 @@ _GENERIC = (
     torch.bilinear, torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu,
 )
 _EMULATED.update({func: _upcast_call for func in _GENERIC})
+# Ops whose outputs never alias their operands and whose backward nodes only read the saved weight: their large
+# weight casts may live in reused scratch buffers (_saved).
+_WEIGHT_OPS = frozenset({F.linear, torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
+                         torch.conv_transpose2d, torch.conv_transpose3d})
 # Ops CPU bf16 autocast leaves in fp32: emulated only when their operands are bf16.
 _NOT_LOWERED_BY_AUTOCAST = frozenset({torch.mv, _T.mv, torch.addmv, _T.addmv, torch.dot, _T.dot, torch.vdot,
                                       _T.vdot, torch.bilinear})
@@ -250,9 +282,9 @@ class _EmulationMode(TorchFunctionMode):
             out_dtype = _emulated_dtype(_operands(args, kwargs), func not in _NOT_LOWERED_BY_AUTOCAST)
             if out_dtype == torch.float32:
                 # bf16 weights on fp32 activations: casting the weights up (autograd-tracked) is all it takes. The
-                # op and its backward then run in C++ on fp32, saving the fp32 weight copy, and the cast's backward
-                # rounds the weight grad to bf16; a Python Function per op would only add overhead.
-                return _upcast_call(func, args, kwargs, out_dtype)
+                # op and its backward then run in C++ on fp32 (autograd keeping the bf16 weight, recast_saved), and
+                # the cast's backward rounds the weight grad to bf16; a Python Function per op would add overhead.
+                return _upcast_call(func, args, kwargs, out_dtype, scratch=func in _WEIGHT_OPS)
             if out_dtype is not None:
                 return impl(func, args, kwargs, out_dtype)
             return func(*args, **kwargs)

@@ -72,10 +72,12 @@ def entry_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapp
             lists["fresh"] = [st.get(spec.key) is None for st in states]
         fill = float(group.get(spec.fill, 0.0)) if spec.fill else 0.0
         for p, st in zip(params, states):
+            fmt = _state_formats.wanted(group, p)
             if st.get(spec.key) is None:
-                st[spec.key] = _state_tensor(p, fill)
-            # The group's state format (reduced-byte state, _state_formats): created fp32, loaded or switched.
-            st[spec.key] = _state_formats.convert(st[spec.key], p, _state_formats.wanted(group, p), spec.signed)
+                fresh_zeros = fmt is not None and not fill
+                st[spec.key] = _state_formats.zeros(p, fmt, spec.signed) if fresh_zeros else _state_tensor(p, fill)
+            # The group's state format (reduced-byte state, _state_formats): created, loaded or switched.
+            st[spec.key] = _state_formats.convert(st[spec.key], p, fmt, spec.signed)
         lists[spec.key] = [st[spec.key] for st in states]
     if entry.fresh_flags and "fresh" not in lists:
         lists["fresh"] = []

@@ -118,6 +118,15 @@ def encode(x: Tensor, p: Tensor, fmt: Format, signed: bool) -> Tensor:
     return out
 
 
+def zeros(p: Tensor, fmt: Format, signed: bool) -> Tensor:
+    """Zero state of float32-based parameter ``p`` in reduced format ``fmt``: what ``encode`` gives for fp32 zeros
+    (all-zero bytes: scale 0 and code 0), without encode's fp32 temporaries, which at the first step of a large
+    model would be allocated and freed once per state tensor."""
+    if fmt is torch.bfloat16:
+        return torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
+    return torch.zeros(packed_bytes(p.numel()), dtype=torch.int8 if signed else torch.uint8)
+
+
 def decode(t: Tensor, p: Tensor) -> Tensor:
     """State tensor ``t`` of parameter ``p`` as fp32, shaped and laid out like ``p``."""
     fmt = format_of(t)
