@@ -9,7 +9,14 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import _saved
-from ._functions import _AddMatmul, _Conv, _FlashAttention, _fp32_region, _Linear, _Matmul
+from ._functions import (
+    _AddMatmul,
+    _Conv,
+    _FlashAttention,
+    _fp32_region,
+    _Linear,
+    _Matmul,
+)
 
 
 def _bind(names, defaults, args, kwargs):

@@ -72,7 +72,7 @@ class _Recast:
     parameter), its version at save time, the saved view's geometry relative to the cast (linear saves the weight
     transposed), and where in the backward buffer to cast it (None: a fresh tensor)."""
 
-    __slots__ = ("source", "version", "geometry", "offset", "end")
+    __slots__ = ("end", "geometry", "offset", "source", "version")
 
     def __init__(self, source, geometry, offset, end):
         self.source, self.version, self.geometry = source, source._version, geometry
