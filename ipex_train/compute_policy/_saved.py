@@ -5,9 +5,10 @@ Saving the fp32 copy of every weight from forward to backward would hold 4 bytes
 backward, above fp32 training's peak; recasting costs one more cast per weight in backward. Large casts (weights of
 linear and convolution layers) are written into per-thread scratch buffers reused every step instead of freshly
 allocated tensors: a fresh multi-megabyte tensor is page-faulted in on every write (measured ~1 ns per element
-against ~0.2 into a reused buffer: ResNet-50's 23.5M weights cast in ~20 vs 4-5 ms per forward). Such a cast is only alive
-during its op (forward) or its node's backward (the engine runs a CPU graph's nodes one after another on the thread
-that called backward, and a node's unpacked tensors die with its apply), so one buffer per phase serves every op.
+against ~0.2 into a reused buffer; ResNet-50's 23.5M weights took ~20 ms per forward, now 4-5 ms). Such a cast is
+only alive during its op (forward) or its node's backward (the engine runs a CPU graph's nodes one after another on
+the thread that called backward, and a node's unpacked tensors die with its apply), so one buffer per phase serves
+every op.
 """
 from __future__ import annotations
 
