@@ -25,8 +25,9 @@ Policies
     ``optimize(dtype=torch.bfloat16)`` under this policy keeps the activations fp32: converted
     modules take their inputs as they come and hand back fp32 (an embedding's bf16 lookup is cast
     up), so the only casts are each weight's, once per forward and once more in backward
-    (autograd keeps the bf16 weight, not its fp32 copy), and its gradient's back to bf16. Casting activations to bf16 around every layer
-    would add work and round them, and buys nothing where bf16 is computed in fp32 anyway.
+    (autograd keeps the bf16 weight, not its fp32 copy), and its gradient's back to bf16.
+    Casting activations to bf16 around every layer would add work and round them, and buys
+    nothing where bf16 is computed in fp32 anyway.
 
 :func:`resolve` picks the policy (argument > ``IPEX_TRAIN_BF16_COMPUTE`` > CPU features) and logs
 it once on the ``"ipex_train"`` logger.
