@@ -36,8 +36,9 @@ Mechanism
 ---------
 *Forward*: a :class:`torch.overrides.TorchFunctionMode` is active only while an attached model's
 forward runs (:func:`attach` registers a forward pre-hook that enters it and an ``always_call``
-forward hook that leaves it), so nothing outside that forward is touched and no global switch is
-flipped. The mode sees every torch call made from Python, so functional code (``torch.matmul``,
+forward hook that leaves it, on the model and on each submodule with children, so that a block
+recomputed by activation checkpointing during backward runs under it too), so nothing outside
+those forwards is touched and no global switch is flipped. The mode sees every torch call made from Python, so functional code (``torch.matmul``,
 ``x @ w``, ``F.scaled_dot_product_attention``) is covered as well as ``nn.Linear``/``nn.Conv*``.
 The Python composites of torch.nn.functional (``F.multi_head_attention_forward``, used by
 nn.MultiheadAttention and nn.TransformerEncoderLayer) run with the mode still active, so the
@@ -232,8 +233,9 @@ def _leave_hook(module, args, output):
 def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     """Apply ``policy`` ("native" or "emulated", see :func:`resolve`) to ``model``'s forward.
 
-    "emulated" enters :func:`emulated_bf16` for the duration of each ``model(...)`` call; the
-    backward of the graph built there is emulated too. "native" changes nothing. Attaching again
+    "emulated" enters :func:`emulated_bf16` for the duration of each ``model(...)`` call, and of each
+    call of one of its submodules that has children outside it (activation checkpointing recomputes
+    blocks in backward); the backward of the graph built there is emulated too. "native" changes nothing. Attaching again
     returns the existing handle for the same policy, or replaces a different one.
     """
     if policy not in POLICIES:
@@ -248,8 +250,16 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     if policy == "native":
         handle = ComputePolicyHandle(model, policy)
     else:
-        pre = model.register_forward_pre_hook(_enter_hook)
-        post = model.register_forward_hook(_leave_hook, always_call=True)
-        handle = ComputePolicyHandle(model, policy, (pre, post))
+        # On the model and every submodule that has children: activation checkpointing re-runs a block's forward
+        # during backward, outside the model's forward (HF gradient_checkpointing_enable() on a GPT-2 failed with
+        # "mat1 and mat2 must have the same dtype"). Inside the model's forward the scope is already entered and a
+        # block only bumps a per-thread depth. Not on leaf layers: hooks on every module cost 2-5% of a small
+        # model's step (timm convnext_atto, mobilenetv3), and checkpointing wraps blocks, not single layers.
+        hooks = []
+        for module in model.modules():
+            if module is model or next(module.children(), None) is not None:
+                hooks.append(module.register_forward_pre_hook(_enter_hook))
+                hooks.append(module.register_forward_hook(_leave_hook, always_call=True))
+        handle = ComputePolicyHandle(model, policy, tuple(hooks))
     _attached[model] = handle
     return handle
