@@ -115,16 +115,21 @@ def test_activations_stay_fp32_and_only_parameters_are_cast(name):
         assert all(p.grad is None or p.grad.dtype == p.dtype for p in model.parameters())
 
 
-def test_forward_is_fp32_on_the_rounded_weights():
-    torch.manual_seed(0)
-    ref = ConvNet()
-    model = copy.deepcopy(ref)
+def emulated_and_reference(model: nn.Module):
+    """``model`` under optimize(bf16) with the emulated policy, and an fp32 copy holding its bf16-rounded weights
+    (the fp32 computation the policy must equal)."""
+    reference = copy.deepcopy(model)
     model, _ = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
                                    bf16_compute="emulated")
     with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if model.get_parameter(name).dtype == BF16:
-                p.copy_(p.to(BF16).float())
+        for name, p in reference.named_parameters():
+            p.copy_(model.get_parameter(name).float())
+    return model, reference
+
+
+def test_forward_is_fp32_on_the_rounded_weights():
+    torch.manual_seed(0)
+    model, ref = emulated_and_reference(ConvNet())
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
     out, want = model(x), ref(x)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
@@ -198,12 +203,7 @@ def test_fp32_weight_copies_are_not_kept_for_backward(name):
         model, x = ConvNet(), torch.randn(4, 3, 8, 8)
     else:
         model, x = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), torch.randn(2, 5, 16)
-    reference = copy.deepcopy(model)
-    model, _ = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
-                                   bf16_compute="emulated")
-    with torch.no_grad():  # the reference computes on the same (bf16-rounded) weights in fp32
-        for n, p in reference.named_parameters():
-            p.copy_(model.get_parameter(n).float())
+    model, reference = emulated_and_reference(model)
     with WeightCopies(tuple(p.shape) for p in model.parameters() if p.dtype == BF16) as mode:
         loss = model(x).square().mean()
     assert mode.copies
@@ -262,13 +262,7 @@ def test_large_weight_casts_through_scratch_buffers_match_fp32():
     from ipex_train.compute_policy import _saved
 
     torch.manual_seed(0)
-    model = LargeNet()
-    reference = copy.deepcopy(model)
-    model, _ = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
-                                   bf16_compute="emulated")
-    with torch.no_grad():
-        for n, p in reference.named_parameters():
-            p.copy_(model.get_parameter(n).float())
+    model, reference = emulated_and_reference(LargeNet())
     x, tokens = torch.randn(2, 64, 6, 6), torch.randn(2, 3, 256)
     for _ in range(2):  # the second pass reuses the buffers the first one filled; grads accumulate
         with WeightCopies(tuple(p.shape) for p in model.parameters() if p.dtype == BF16) as mode:
