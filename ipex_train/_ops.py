@@ -86,6 +86,12 @@ def _register_fakes() -> None:
     def _combine_fake(top, residual):
         return torch.empty_like(top, dtype=torch.float32)
 
+    @torch.library.register_fake("ipex_train::q8_encode")
+    def _q8_encode_fake(x, signed):
+        from .optim._state_formats import packed_bytes  # not at import: optim imports this module
+
+        return x.new_empty(packed_bytes(x.numel()), dtype=torch.int8 if signed else torch.uint8)
+
 
 _register_fakes()
 
@@ -97,6 +103,13 @@ def split_bf16(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quiet NaN of the same sign. The outputs keep ``src``'s memory format.
     """
     return ops.split_bf16(src)
+
+
+def q8_encode(x: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The packed int8 optimizer state of a 1-D fp32 tensor as the current kernel variant's steps store it (fp32
+    block scales, then int8 codes if ``signed``, else uint8): what ``optim._state_formats.encode`` gives, bit for bit.
+    """
+    return ops.q8_encode(x, signed)
 
 
 def combine_bf16(top: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

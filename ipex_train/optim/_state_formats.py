@@ -110,7 +110,10 @@ def encode(x: Tensor, p: Tensor, fmt: Format, signed: bool) -> Tensor:
     inv = (1.0 / torch.where(scale > 0, scale, 1.0)).unsqueeze(1)
     r = (blocks.abs() if signed else torch.where(blocks > 0, blocks, 0.0)) * inv
     r = torch.where(r < 1.0, r, 1.0)  # NaN (a NaN scale) -> the largest code
-    y = r.sqrt().sqrt() * (127.0 if signed else 255.0)
+    # The kernels' correctly rounded fp32 sqrt: torch's fp32 sqrt is not on every build (here a fifth of the values
+    # were an ulp off, which moves the codes right at a boundary); float64's, rounded to fp32, is.
+    root = r.double().sqrt().float().double().sqrt().float()
+    y = root * (127.0 if signed else 255.0)
     q = (y + 0.5).to(torch.int32)
     out = torch.empty(4 * nb + n, dtype=torch.int8 if signed else torch.uint8)
     out[: 4 * nb].view(torch.float32).copy_(scale)

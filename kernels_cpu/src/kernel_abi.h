@@ -26,6 +26,8 @@ struct KernelTable {
 #undef ITR_ENTRY
   void (*split_bf16)(const float* src, uint16_t* top, int16_t* residual, int64_t n);
   void (*combine_bf16)(const uint16_t* top, const int16_t* residual, float* dst, int64_t n);
+  // Encodes n fp32 values in an int8 format (the state encoding of the steps, ipex_train/state_codec.h).
+  void (*q8_encode)(StateCodec c, const float* in, void* codes, float* scales, int64_t n);
 };
 
 // The entry of optimizer Opt in table t.

@@ -259,10 +259,14 @@ void combine_bf16(const uint16_t* top, const int16_t* residual, float* dst, int6
   each<Layout::kSplitBF16>(c, [&](const auto& st, int64_t i) { StorageOf<decltype(st)>::put(dst, i, st.load(i)); });
 }
 
+void q8_encode(StateCodec c, const float* in, void* codes, float* scales, int64_t n) {
+  encode_state(c, in, codes, scales, n, 0, 0);
+}
+
 }  // namespace
 
 #define ITR_ENTRY(name, args) Loops<fused::name>::entry(),
-extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_OPTIMIZERS(ITR_ENTRY) split_bf16, combine_bf16};
+extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_OPTIMIZERS(ITR_ENTRY) split_bf16, combine_bf16, q8_encode};
 #undef ITR_ENTRY
 
 }  // namespace ipex_train

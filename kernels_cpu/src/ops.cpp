@@ -117,6 +117,22 @@ at::Tensor combine_bf16(const at::Tensor& top_in, const at::Tensor& res_in) {
   return out;
 }
 
+// The packed int8 state (fp32 scales, then the codes) of a 1-D fp32 tensor, as the steps store it: to check the
+// kernel variants' encoders against the Python reference (ipex_train/optim/_state_formats.py) on chosen values.
+at::Tensor q8_encode(const at::Tensor& x_in, bool is_signed) {
+  const char* op = "ipex_train::q8_encode";
+  check_cpu_dense(op, x_in, "x");
+  TORCH_CHECK_TYPE(x_in.scalar_type() == at::kFloat, op, ": x has dtype ", x_in.scalar_type(), "; expected float32");
+  TORCH_CHECK_VALUE(x_in.dim() == 1, op, ": x has ", x_in.dim(), " dimensions; expected 1");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t n = x.numel(), blocks = q8_blocks(n);
+  at::Tensor out = at::empty({4 * blocks + n}, x.options().dtype(is_signed ? at::kChar : at::kByte));
+  char* bytes = static_cast<char*>(out.data_ptr());
+  kernels().q8_encode(is_signed ? StateCodec::kQ8Signed : StateCodec::kQ8Unsigned, x.const_data_ptr<float>(),
+                      bytes + 4 * blocks, reinterpret_cast<float*>(bytes), n);
+  return out;
+}
+
 // Sparse grads dispatch to the SparseCPU key, before the CPU kernel's own checks could name the argument.
 void reject_sparse(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
@@ -153,6 +169,7 @@ TORCH_LIBRARY(ipex_train, m) {
 #undef ITR_DEF
   m.def("split_bf16(Tensor src) -> (Tensor top, Tensor residual)");
   m.def("combine_bf16(Tensor top, Tensor residual) -> Tensor");
+  m.def("q8_encode(Tensor x, bool signed) -> Tensor");
   m.def("kernel_variant() -> str", &ipex_train::kernel_variant);
   m.def("set_kernel_variant(str name) -> ()", &ipex_train::set_kernel_variant);
   m.def("supported_kernel_variants() -> str[]", &ipex_train::supported_kernel_variants);
@@ -167,6 +184,7 @@ TORCH_LIBRARY_IMPL(ipex_train, CPU, m) {
 #undef ITR_IMPL
   m.impl("split_bf16", &ipex_train::split_bf16);
   m.impl("combine_bf16", &ipex_train::combine_bf16);
+  m.impl("q8_encode", &ipex_train::q8_encode);
 }
 
 TORCH_LIBRARY_IMPL(ipex_train, SparseCPU, m) {
