@@ -51,6 +51,8 @@ class OptimizeSummary:
     "sgd", ...) the optimizer steps with, or None (its own step). sycl: the fused step runs on a SYCL queue.
     onednn_fusion: inference only, whether torch's TorchScript oneDNN Graph fusion switch is on.
     step_in_backward: training, each parameter is stepped inside backward (optimize(step_in_backward=True)).
+    fp32_compute_convs: under the native policy, the depthwise convs it computes in fp32
+    (:func:`ipex_train.compute_policy.slow_bf16_depthwise`).
     """
 
     mode: str
@@ -64,6 +66,7 @@ class OptimizeSummary:
     sycl: bool
     onednn_fusion: bool | None
     step_in_backward: bool = False
+    fp32_compute_convs: int = 0
 
     @property
     def kept_tensors(self) -> int:
@@ -90,7 +93,9 @@ class OptimizeSummary:
                  f"{self.kept_tensors} fp32 ({_count(self.kept_elements)}, {share(self.kept_elements)})"]
         if self.kept:
             parts[0] += ": " + ", ".join(f"{k.tensors} {k.reason} [{', '.join(k.modules)}]" for k in self.kept)
-        parts.append(f"compute policy {self.compute_policy or 'none'}")
+        parts.append(f"compute policy {self.compute_policy or 'none'}"
+                     + (f" ({self.fp32_compute_convs} depthwise convs computed in fp32: oneDNN's bf16 backward is "
+                        "slow for them)" if self.fp32_compute_convs else ""))
         if self.mode == "training":
             step = f"fused {self.fused_step} step" if self.fused_step else "own (unfused) step"
             parts.append(f"{self.optimizer}: {step}{' on SYCL' if self.sycl else ''}"
@@ -179,7 +184,9 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
         optimizer=user_class(optimizer).__name__ if optimizer is not None else None,
         fused_step=fused, sycl=sycl,
         onednn_fusion=None if training else torch.jit.onednn_fusion_enabled(),
-        step_in_backward=isinstance(optimizer, TrainingOptimizer) and optimizer.step_in_backward)
+        step_in_backward=isinstance(optimizer, TrainingOptimizer) and optimizer.step_in_backward,
+        fp32_compute_convs=sum(map(compute_policy.slow_bf16_depthwise, model.modules()))
+        if handle is not None and handle.policy == "native" else 0)
 
 
 def record(model: nn.Module, optimizer: torch.optim.Optimizer | None, dtype: torch.dtype | None) -> None:

@@ -12,7 +12,14 @@ equals an fp32 computation on the bf16 operands.
 Policies
 --------
 ``"native"``
-    The CPU has bf16 arithmetic: nothing is changed.
+    The CPU has bf16 arithmetic: bf16 ops run on it, with one exception. Depthwise ``nn.Conv2d``
+    layers (``groups == in_channels > 1``) with a stride above 1 or a kernel above 3 are computed
+    in fp32 as under "emulated" (bf16 in, bf16 out): for them oneDNN's bf16 backward runs general
+    grouped-conv kernels instead of its depthwise ones. Forward + backward in bf16 took 2.4-5.4x
+    the fp32 path's time at stride 2 and 1.1-1.7x at 5x5/7x7 stride 1 (median over shapes;
+    ``python -m benchmarks.depthwise_bf16``, Zen 4 with avx512_bf16, 2 threads), which made
+    optimize(bf16) slower than fp32 on EfficientNet/MobileNetV3. 3x3 stride-1 ones stay bf16
+    (0.56-0.64x the fp32 path's time). Not measured on AMX CPUs.
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
@@ -83,6 +90,7 @@ __all__ = [
     "resolve",
     "info",
     "attach",
+    "slow_bf16_depthwise",
     "emulated_bf16",
     "ComputePolicyHandle",
 ]
@@ -205,7 +213,7 @@ class ComputePolicyHandle:
 
     @property
     def active(self) -> bool:
-        """True while the hooks are registered (always False for "native")."""
+        """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs)."""
         return bool(self._hooks)
 
     def remove(self) -> None:
@@ -230,13 +238,20 @@ def _leave_hook(module, args, output):
     _leave()
 
 
+def slow_bf16_depthwise(module: torch.nn.Module) -> bool:
+    """Whether the native policy computes ``module`` in fp32: a depthwise Conv2d with stride > 1 or kernel > 3."""
+    return (isinstance(module, torch.nn.Conv2d) and 1 < module.groups == module.in_channels
+            and (max(module.stride) > 1 or max(module.kernel_size) > 3))
+
+
 def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     """Apply ``policy`` ("native" or "emulated", see :func:`resolve`) to ``model``'s forward.
 
     "emulated" enters :func:`emulated_bf16` for the duration of each ``model(...)`` call, and of each
     call of one of its submodules that has children outside it (activation checkpointing recomputes
-    blocks in backward); the backward of the graph built there is emulated too. "native" changes nothing. Attaching again
-    returns the existing handle for the same policy, or replaces a different one.
+    blocks in backward); the backward of the graph built there is emulated too. "native" enters it
+    only around the depthwise convs of :func:`slow_bf16_depthwise`. Attaching again returns the
+    existing handle for the same policy, or replaces a different one.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not one of {', '.join(POLICIES)} (use resolve() to pick one)")
@@ -247,19 +262,22 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
         if existing.policy == policy:
             return existing
         existing.remove()
+    hooks = []
     if policy == "native":
-        handle = ComputePolicyHandle(model, policy)
+        for module in model.modules():
+            if slow_bf16_depthwise(module):
+                hooks.append(module.register_forward_pre_hook(_enter_hook))
+                hooks.append(module.register_forward_hook(_leave_hook, always_call=True))
     else:
         # On the model and every submodule that has children: activation checkpointing re-runs a block's forward
         # during backward, outside the model's forward (HF gradient_checkpointing_enable() on a GPT-2 failed with
         # "mat1 and mat2 must have the same dtype"). Inside the model's forward the scope is already entered and a
         # block only bumps a per-thread depth. Not on leaf layers: hooks on every module cost 2-5% of a small
         # model's step (timm convnext_atto, mobilenetv3), and checkpointing wraps blocks, not single layers.
-        hooks = []
         for module in model.modules():
             if module is model or next(module.children(), None) is not None:
                 hooks.append(module.register_forward_pre_hook(_enter_hook))
                 hooks.append(module.register_forward_hook(_leave_hook, always_call=True))
-        handle = ComputePolicyHandle(model, policy, tuple(hooks))
+    handle = ComputePolicyHandle(model, policy, tuple(hooks))
     _attached[model] = handle
     return handle
