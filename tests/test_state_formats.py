@@ -117,7 +117,7 @@ def check_against_reference(kind, name, overrides, layout, fmt, step_fn=_fused.f
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("kind", ["adam", "lamb", "sgd", "lars"])
+@pytest.mark.parametrize("kind", ["adam", "adagrad", "lamb", "sgd", "lars"])
 def test_variants_bit_identical(kind, fmt):
     variants = _ops.supported_kernel_variants()
     if len(variants) < 2:
