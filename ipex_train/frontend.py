@@ -249,7 +249,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             with stochastic rounding) or "int8" (block-wise 8-bit state): sets the ``state_dtype`` key of every
             param group that has none (a group with ``state_dtype=torch.float32`` keeps fp32 state, e.g. for
             embeddings); parameters under 4096 elements keep fp32 state. Needs a fused step, on the CPU or with
-            sycl (not with fuse_update_step=False or an optimizer without one). state_dict() still holds fp32 state.
+            sycl (not with fuse_update_step=False or an optimizer without one). state_dict() still holds fp32 state;
+            load_state_dict() re-encodes it in each group's own state_dtype (not the checkpoint's).
         config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through sycl), instead of
             passing them one by one; a keyword argument given next to it must agree with it.
 
@@ -301,7 +302,9 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
 
     already = isinstance(optimizer, TrainingOptimizer)
     if already and inplace:
-        _log.info("ipex_train.optimize: model and optimizer are already optimized; returned unchanged")
+        _log.info("ipex_train.optimize: model and optimizer are already optimized; returned as they are "
+                  "(optimizer_state_dtype and step_in_backward, when given, still apply)")
+        _set_state_dtype(optimizer, config.optimizer_state_dtype)
         if config.step_in_backward is not None:
             optimizer.set_step_in_backward(config.step_in_backward)
         return model, optimizer

@@ -179,6 +179,23 @@ def test_sharding_backends_are_refused(monkeypatch, kind):
         IpexTrainPlugin().prepare(accelerator, model, torch.optim.SGD(model.parameters(), 0.1))
 
 
+def test_step_in_backward_with_ddp_or_accumulation_is_refused(monkeypatch):
+    monkeypatch.setenv("IPEX_TRAIN_STEP_IN_BACKWARD", "1")
+    model = make_model()
+    accelerator = new_accelerator(gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        IpexTrainPlugin().prepare(accelerator, model, torch.optim.SGD(model.parameters(), 0.1))
+    accelerator = new_accelerator()
+    # A real 2-process accelerator needs a launch; the plugin reads only this attribute before anything changes.
+    monkeypatch.setattr(accelerator.state, "num_processes", 2)
+    with pytest.raises(ValueError, match="before DistributedDataParallel's all-reduce.*2 processes"):
+        IpexTrainPlugin().prepare(accelerator, model, torch.optim.SGD(model.parameters(), 0.1))
+    assert model[0].weight.dtype == torch.float32
+    monkeypatch.setattr(accelerator.state, "num_processes", 1)
+    model, opt = IpexTrainPlugin().prepare(accelerator, model, torch.optim.SGD(model.parameters(), 0.1))
+    assert opt.optimizer.step_in_backward
+
+
 def test_non_cpu_device_is_refused(monkeypatch):
     accelerator = new_accelerator(mixed_precision="bf16")
     # An XPU/GPU accelerator needs the device; optimize() trains on the CPU, which the plugin checks up front.

@@ -64,7 +64,8 @@ def sgd(m):
 
 
 @pytest.mark.parametrize("case", ["train-no-opt", "eval-with-opt", "devices", "not-module", "not-optimizer",
-                                  "foreign-param", "level", "dtype", "flag", "bf16_compute"])
+                                  "foreign-param", "level", "dtype", "flag", "bf16_compute", "state_dtype",
+                                  "state_dtype-unfused", "state_dtype-group"])
 def test_errors_leave_model_and_optimizer_unchanged(case):
     model = make()
     opt = sgd(model)
@@ -93,6 +94,14 @@ def test_errors_leave_model_and_optimizer_unchanged(case):
         kwargs, err, match = dict(auto_channels_last="yes"), TypeError, "auto_channels_last"
     elif case == "bf16_compute":
         kwargs, match = dict(dtype=BF16, bf16_compute="fast"), "fast"
+    elif case == "state_dtype":  # inplace: a late failure would leave the model converted
+        kwargs, match = dict(dtype=BF16, inplace=True, optimizer_state_dtype="int4"), "optimizer_state_dtype.*'int4'"
+    elif case == "state_dtype-unfused":
+        kwargs, match = dict(dtype=BF16, inplace=True, optimizer_state_dtype="int8", fuse_update_step=False), \
+            "fused step"
+    elif case == "state_dtype-group":
+        opt.param_groups[0]["state_dtype"] = torch.float16
+        kwargs, match = dict(dtype=BF16, inplace=True, optimizer_state_dtype="int8"), "param group 0 key 'state_dtype'"
     before = snapshot(model, opt)
     with pytest.raises(err, match=match):
         ipex_train.optimize(*args, **kwargs)

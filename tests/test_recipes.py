@@ -109,6 +109,14 @@ def test_benchmark_suite_smoke(tmp_path):
     lamb = [r for r in step["data"]["results"] if r["optimizer"] == "lamb"]
     assert lamb and all(r["traffic_floor_ratio"] > 0 for r in lamb)
     assert "Lamb's bytes alone" in report
+    # The reduced-byte state rows (benchmarks/bench_state.py) are in the same run: ours timed against torch's fused
+    # fp32 AdamW with their targets in the report, and each low-bit peer either timed or saying why it is not.
+    state = {r["contestant"]: r for r in step["data"]["state_rows"]}
+    assert all(state[c]["ratio_to_baseline"] > 0 and state[c]["pct_roof"] > 0 for c in ("bf16_state", "int8_state"))
+    assert {"torchao AdamW8bit", "bitsandbytes AdamW8bit", "torch-optimi AdamW bf16+Kahan"} <= state.keys()
+    assert all("ratio_to_baseline" in r or r["error"] for r in state.values())
+    assert all(f"split_bf16 {c} @ " in report for c in ("bf16_state", "int8_state"))
+    assert "<= 0.6x torch fused fp32 AdamW" in report
     _check_png(out / "step_roofline.png")
 
 

@@ -214,3 +214,31 @@ def test_config_field():
     assert opt.step_in_backward
     assert "SGD: fused sgd step inside backward" in str(ipex_train.summary(model, opt))
     assert ipex_train.summary(model, opt).to_dict()["step_in_backward"] is True
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"], ids=["bf16_state", "int8_state"])
+@pytest.mark.parametrize("name", ["sgd", "adamw", "lamb", "lars"])
+def test_reduced_state_with_split_bf16(name, state_dtype):
+    # Reduced-byte state in this mode, on split bf16 weights. int8 state rounds to nearest: every bit as the normal
+    # step. bf16 state rounds stochastically with a key counted per fused call (one per parameter here, one per
+    # group there): other draws, so the weights agree to a bf16 step of the state's contribution.
+    cls, hyper = OPTIMIZERS[name]
+    runs = []
+    for release in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, 512), nn.ReLU(), nn.Linear(512, 5))  # 6144 elements: reduced state
+        runs.append(ipex_train.optimize(model, cls(model.parameters(), **hyper), dtype=torch.bfloat16,
+                                        step_in_backward=release, optimizer_state_dtype=state_dtype))
+    (model, opt), (rmodel, ropt) = runs
+    data = batches()
+    train(model, opt, data)
+    train(rmodel, ropt, data)
+    assert all(p.grad is None for p in rmodel.parameters())
+    key = "momentum_buffer" if name in ("sgd", "lars") else "exp_avg"
+    assert ropt.state[rmodel[0].weight][key].dtype == (torch.bfloat16 if state_dtype is torch.bfloat16 else torch.int8)
+    if state_dtype == "int8":
+        assert_same(model, rmodel)
+        assert_same_state(opt, ropt)
+    else:
+        for a, b in zip(model.parameters(), rmodel.parameters()):
+            torch.testing.assert_close(b.float(), a.float(), rtol=0.02, atol=1e-3)

@@ -202,3 +202,18 @@ def test_optimize_sycl_reduced_state_matches_cpu_and_round_trips(queue, opt_name
     _train(model, opt, 2, seed=5)
     _train(model2, opt2, 2, seed=5)
     _same(model2, opt2, model, opt)
+
+
+def test_optimize_sycl_loads_a_vanilla_checkpoint_into_reduced_usm_state(queue):
+    # The loading optimizer's own format (not the checkpoint's, which has none): encoded at load, then put in USM.
+    model = _mlp()
+    vanilla = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    _train(model, vanilla, 2, seed=0)
+    model2, opt2 = _optimized("adamw", "int8", sycl=True)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(copy.deepcopy(vanilla.state_dict()))
+    big = model2[0].weight
+    assert opt2.state[big]["exp_avg"].dtype == torch.int8 and opt2.state[big]["exp_avg_sq"].dtype == torch.uint8
+    assert all(sx.usm_kind(t, queue) == "shared" for st in opt2.state.values() for k, t in st.items() if k != "step")
+    _train(model2, opt2, 1, seed=5)
+    assert opt2.state[big]["exp_avg"].dtype == torch.int8

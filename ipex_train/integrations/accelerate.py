@@ -145,13 +145,14 @@ class IpexTrainPlugin:
         returned one, so schedulers created on it keep working).
 
         Raises TypeError/ValueError, before anything is modified, for an unsupported accelerator
-        (DeepSpeed, FSDP, Megatron-LM, XLA, a non-CPU device, fp16/fp8), already prepared objects, or not exactly
-        one model and one optimizer.
+        (DeepSpeed, FSDP, Megatron-LM, XLA, a non-CPU device, fp16/fp8), already prepared objects, not exactly
+        one model and one optimizer, or step_in_backward with several processes or gradient accumulation.
         """
         if not isinstance(accelerator, accelerate.Accelerator):
             raise TypeError(f"IpexTrainPlugin.prepare: accelerator must be an accelerate.Accelerator, got "
                             f"{type(accelerator).__name__}")
         _check_accelerator(accelerator)
+        _check_step_in_backward(accelerator, self.config.step_in_backward)
         dtype = self.resolve_dtype(accelerator)
         model_at, optimizer_at = _find_model_and_optimizer(args)
         model, optimizer = args[model_at], args[optimizer_at]
@@ -182,6 +183,21 @@ def _check_accelerator(accelerator: accelerate.Accelerator) -> None:
     if accelerator.device.type != "cpu":
         raise ValueError(f"IpexTrainPlugin: accelerator.device is {accelerator.device}; ipex_train trains on the "
                          "CPU: create the accelerator with Accelerator(cpu=True) (or accelerate launch --cpu)")
+
+
+def _check_step_in_backward(accelerator: accelerate.Accelerator, step_in_backward: bool | None) -> None:
+    # The hooks step each parameter as its local grad is ready: before DDP's all-reduce (ranks would drift apart
+    # silently) and once per backward (accumulation raises only at the second backward, mid-run).
+    if not step_in_backward:
+        return
+    if accelerator.num_processes > 1:
+        raise ValueError(f"IpexTrainPlugin: step_in_backward (IPEX_TRAIN_STEP_IN_BACKWARD) steps each parameter "
+                         f"before DistributedDataParallel's all-reduce; it cannot run with {accelerator.num_processes}"
+                         " processes: turn it off, or train in one process")
+    if accelerator.gradient_accumulation_steps > 1:
+        raise ValueError(f"IpexTrainPlugin: step_in_backward (IPEX_TRAIN_STEP_IN_BACKWARD) makes each backward one "
+                         f"optimizer step; Accelerator(gradient_accumulation_steps="
+                         f"{accelerator.gradient_accumulation_steps}) needs several backwards per step: turn one off")
 
 
 def _find_model_and_optimizer(args: tuple) -> tuple[int, int]:

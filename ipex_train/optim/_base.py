@@ -61,11 +61,23 @@ class FusableOptimizer(torch.optim.Optimizer):
 
         return _state_formats.fp32_state_dict(self, super().state_dict())
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load as torch does, then store the state in each group's ``state_dtype``."""
-        from . import _fused
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group as torch does; its ``state_dtype`` key, when it has one, must be a valid format."""
+        from . import _state_formats
 
+        if isinstance(param_group, dict):
+            _state_formats.parse(param_group.get(_state_formats.GROUP_KEY),
+                                 f"{type(self).__name__}: param group key {_state_formats.GROUP_KEY!r}")
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch does, then store the state in each group's own ``state_dtype`` (the one this optimizer
+        was created with, not the checkpoint's: see :func:`._state_formats.restore_settings`)."""
+        from . import _fused, _state_formats
+
+        settings = _state_formats.own_settings(self.param_groups)
         super().load_state_dict(state_dict)
+        _state_formats.restore_settings(self.param_groups, settings)
         _fused.store_state_formats(self.KIND, self.param_groups, self.state)
 
     def _use_fused(self, group: dict[str, Any], params: list[Tensor]) -> bool:

@@ -17,8 +17,8 @@ Parameters with fewer than :data:`MIN_NUMEL` elements (biases, norms) keep fp32 
 kernels_cpu/include/ipex_train/state_codec.h; :func:`encode` and :func:`decode` give the same bits as its int8
 encoding (bf16 state is encoded here with round-to-nearest, which is lossless for a value that came from bf16).
 ``state_dict()`` returns every state as fp32 (:func:`fp32_state_dict`), loadable by vanilla torch.optim; loading
-an fp32 state re-encodes it, and a reduced state survives save -> load bit for bit (bf16 -> fp32 -> bf16 is exact;
-for int8, ``encode(decode(q)) == q``).
+an fp32 state re-encodes it in the loading optimizer's own formats (:func:`restore_settings`), and a reduced state
+survives save -> load bit for bit (bf16 -> fp32 -> bf16 is exact; for int8, ``encode(decode(q)) == q``).
 """
 from __future__ import annotations
 
@@ -154,6 +154,31 @@ def convert(t: Tensor, p: Tensor, fmt: Format, signed: bool) -> Tensor:
     if have == fmt and (have != "int8" or (t.dtype == torch.int8) == signed):
         return t
     return encode(decode(t, p) if have is not None else t, p, fmt, signed)
+
+
+_ABSENT = object()
+
+
+def own_settings(groups: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
+    """Each group's ``state_dtype`` and ``state_seed`` as set on this optimizer (or absent), for
+    :func:`restore_settings` after ``load_state_dict``, whose torch implementation replaces the group dicts with the
+    checkpoint's."""
+    return [(g.get(GROUP_KEY, _ABSENT), g.get(SEED_KEY, _ABSENT)) for g in groups]
+
+
+def restore_settings(groups: list[dict[str, Any]], settings: list[tuple[Any, Any]]) -> None:
+    """After a load: each group keeps its own ``state_dtype`` (set or absent), whatever the checkpoint's groups say,
+    because the checkpoint holds fp32 state and the format is how this optimizer stores it (loading a vanilla
+    torch checkpoint into an int8-state optimizer gives int8 state, an int8 checkpoint into an fp32-state one fp32
+    state); its ``state_seed`` is the checkpoint's when that has one (a resumed run draws as the saved one would),
+    else its own."""
+    for g, (fmt, seed) in zip(groups, settings):
+        if fmt is _ABSENT:
+            g.pop(GROUP_KEY, None)
+        else:
+            g[GROUP_KEY] = fmt
+        if seed is not _ABSENT:
+            g.setdefault(SEED_KEY, seed)
 
 
 def rounding_key(group: dict[str, Any]) -> int:

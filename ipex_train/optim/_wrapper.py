@@ -12,7 +12,8 @@ It is an instance of a subclass of the user's optimizer class, created once per 
   (re-split, or master copied down), so the residual or master never goes stale.
 * ``load_state_dict``: torch casts floating state to the parameter dtype (bf16 would lose the fp32 state); the
   state is restored in fp32 from the checkpoint, and the group dicts keep their identity, so a scheduler created
-  on the user's optimizer before optimize(inplace=True) keeps driving it.
+  on the user's optimizer before optimize(inplace=True) keeps driving it. Each group keeps its own ``state_dtype``
+  (not the checkpoint's) and the loaded state is re-encoded in it.
 * ``add_param_group``: parameters that are already bf16/fp16 get an fp32 truth.
 
 With ``optimize(sycl=True)`` the optimizer holds a step backend (:class:`ipex_train.xpu.SyclBackend`): the fused
@@ -171,7 +172,17 @@ class TrainingOptimizer(torch.optim.Optimizer):
                 p.grad = grad
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group as torch does; bf16/fp16 parameters without an fp32 truth get one."""
+        """Add a param group as torch does; bf16/fp16 parameters without an fp32 truth get one. A ``state_dtype``
+        (the group's, or the default optimize() set) must be a format the step can keep (ValueError otherwise,
+        before anything is added)."""
+        if isinstance(param_group, dict):
+            key = _state_formats.GROUP_KEY
+            fmt = _state_formats.parse(param_group.get(key, self.defaults.get(key)),
+                                       f"add_param_group(): param group key {key!r}")
+            if fmt is not None and not (self._ipex_fuse and self._fused_kind is not None):
+                raise ValueError(f"add_param_group(): param group key {key!r} is {param_group.get(key)!r}, but "
+                                 f"reduced-byte state needs the fused step, which this {self._user_class.__name__} "
+                                 "does not run (use state_dtype=torch.float32 or leave the key out)")
         super().add_param_group(param_group)
         params = self.param_groups[-1]["params"]
         for p in params:
@@ -184,11 +195,13 @@ class TrainingOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, keeping the optimizer state fp32 and the param group dicts the same objects."""
         groups, state = self.param_groups, self.state
+        settings = _state_formats.own_settings(groups)
         super().load_state_dict(state_dict)
         for old, new in zip(groups, self.param_groups):
             if old is not new:
                 old.clear()
                 old.update(new)
+        _state_formats.restore_settings(groups, settings)  # this optimizer's state_dtype, not the checkpoint's
         loaded, self.param_groups, self.state = self.state, groups, state
         state.clear()
         state.update(loaded)
