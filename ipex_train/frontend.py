@@ -242,8 +242,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         step_in_backward: training only. True: step each parameter inside backward as soon as its grad is summed
             (the same fused kernels, one parameter at a time) and free the grad, so the model's grads never exist
             at once; optimizer.step() then steps nothing. One backward per step: no gradient accumulation, no
-            clipping by global norm (a second backward before step(), or grads found at step(), raise
-            RuntimeError), no DistributedDataParallel. optimizer.set_step_in_backward(False) turns it off.
+            clipping (a second backward before step(), grads found at step(), or torch.nn.utils.clip_grad_norm_ /
+            clip_grad_value_ on these parameters raise RuntimeError), no DistributedDataParallel. optimizer.set_step_in_backward(False) turns it off.
             Refused (ValueError) for torch.optim.LBFGS.
         optimizer_state_dtype: training only. None/torch.float32 (fp32 optimizer state), torch.bfloat16 (bf16 state
             with stochastic rounding) or "int8" (block-wise 8-bit state): sets the ``state_dtype`` key of every

@@ -111,7 +111,27 @@ def test_grads_released_during_backward():
     assert opt.step() is None
     opt.zero_grad()
     assert all(torch.equal(after[k], v) for k, v in model.state_dict().items())  # step() stepped nothing
-    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) == 0  # torch sees no grads: documented
+
+
+@pytest.mark.parametrize("clip", ["clip_grad_norm_", "clip_grad_value_"])
+def test_clipping_is_refused_while_stepping_in_backward(clip):
+    model = make_model()
+    other = torch.nn.Linear(3, 2)
+    model, opt = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), step_in_backward=True)
+    x, y = batches(1)[0]
+    loss_of(model, x, y).backward()
+    for fn in (getattr(torch.nn.utils, clip), getattr(torch.nn.utils.clip_grad, clip)):
+        with pytest.raises(RuntimeError, match=rf"{clip}: these parameters are stepped inside backward.*"
+                                               r"set_step_in_backward\(False\)"):
+            fn(model.parameters(), 1.0)
+    # Other parameters clip as before; so do these once the mode is off.
+    other(torch.ones(1, 3)).sum().backward()
+    assert torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0) > 0
+    opt.set_step_in_backward(False)
+    loss_of(model, x, y).backward()
+    getattr(torch.nn.utils, clip)(model.parameters(), 1e-3)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert (grads.norm() if clip == "clip_grad_norm_" else grads.abs().max()) <= 1e-3 * (1 + 1e-5)
 
 
 def test_step_with_closure_returns_loss():

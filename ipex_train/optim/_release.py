@@ -11,9 +11,12 @@ What follows from stepping during backward:
   ``zero_grad()`` is harmless. LR schedulers work: the hook reads ``group["lr"]`` when it runs.
 * One backward is one optimizer step. A second backward reaching a parameter already stepped since the last
   ``optimizer.step()`` raises RuntimeError: gradient accumulation over several backwards is not possible.
-* Clipping by the global grad norm is not possible (every grad is gone by the time backward returns;
-  ``torch.nn.utils.clip_grad_norm_`` then sees no grads and returns 0). Grads found on parameters at ``step()``
-  (set by hand) raise RuntimeError instead of being silently ignored.
+* Clipping by the global grad norm is not possible: every grad is gone by the time backward returns, so
+  ``torch.nn.utils.clip_grad_norm_`` would see no grads and return 0. While any parameter is stepped inside
+  backward, ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` raise RuntimeError when given one of them
+  (they are wrapped once, the first time the mode is turned on; other parameters pass through unchanged; the
+  Accelerate and HF Trainer clipping calls go through them). Grads found on parameters at ``step()`` (set by
+  hand) raise RuntimeError instead of being silently ignored.
 * Gradients summed across processes (DistributedDataParallel) are not supported: the hook would step before the
   all-reduce.
 """
@@ -24,6 +27,7 @@ import weakref
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 # Optimizer classes whose step cannot run one parameter at a time.
 _PER_PARAM_IMPOSSIBLE = {torch.optim.LBFGS: "it re-evaluates the closure and steps all parameters together"}
@@ -35,6 +39,47 @@ def check_supported(optimizer_class: type) -> None:
         if base in _PER_PARAM_IMPOSSIBLE:
             raise ValueError(f"optimize(step_in_backward=True): {optimizer_class.__name__} cannot step inside "
                              f"backward: {_PER_PARAM_IMPOSSIBLE[base]}; use step_in_backward=False")
+
+
+# Parameter -> weak reference to the optimizer stepping it inside backward (weak keys: a parameter freed with its
+# model leaves by itself).
+_released = WeakIdKeyDictionary()
+
+
+def _stepped_in_backward(p: Tensor) -> bool:
+    ref = _released.get(p)
+    optimizer = None if ref is None else ref()
+    return optimizer is not None and optimizer._ipex_release is not None
+
+
+def _refuse_released(clip):
+    """``clip`` (torch.nn.utils.clip_grad_norm_ / clip_grad_value_) raising for parameters stepped in backward."""
+
+    @functools.wraps(clip)
+    def checked(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        if any(_stepped_in_backward(p) for p in params):
+            raise RuntimeError(f"{clip.__name__}: these parameters are stepped inside backward "
+                               "(optimize(step_in_backward=True)), which frees each grad as soon as it is summed, so "
+                               "there are no grads left to clip and clipping by the global norm is not possible. "
+                               "Turn the mode off (optimizer.set_step_in_backward(False), or step_in_backward=False) "
+                               "to clip, or drop the clipping call")
+        return clip(params, *args, **kwargs)
+
+    checked._ipex_train_original = clip
+    return checked
+
+
+def _wrap_clipping() -> None:
+    # Patched where user code and libraries look them up at call time: torch.nn.utils.<name> (Accelerate, the HF
+    # Trainer, most loops) and torch.nn.utils.clip_grad.<name>.
+    import torch.nn.utils.clip_grad as clip_grad
+
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        for module in (torch.nn.utils, clip_grad):
+            current = getattr(module, name)
+            if not hasattr(current, "_ipex_train_original"):
+                setattr(module, name, _refuse_released(current))
 
 
 def _hook(ref: weakref.ref, group: dict, p: Tensor) -> None:
@@ -60,6 +105,7 @@ class GradientRelease:
         self._ref = weakref.ref(optimizer)
         self._handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self.stepped: set[int] = set()
+        _wrap_clipping()
         for group in optimizer.param_groups:
             self.add_group(group)
 
@@ -68,6 +114,7 @@ class GradientRelease:
         for p in group["params"]:
             if id(p) not in self._handles and p.requires_grad:
                 self._handles[id(p)] = p.register_post_accumulate_grad_hook(functools.partial(_hook, self._ref, group))
+                _released[p] = self._ref
 
     def close_step(self, params) -> None:
         """optimizer.step(): raise for grads left on ``params`` (nothing steps them), then start the next step."""
@@ -82,6 +129,11 @@ class GradientRelease:
 
     def remove(self) -> None:
         """Remove every hook."""
+        optimizer = self._ref()
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    _released.pop(p, None)
         for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
