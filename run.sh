@@ -27,6 +27,6 @@ case "$cmd" in
   setup) setup test,recipes,xpu ;;
   main) setup recipes; exec "$PY" -m recipes.digits "$@" ;;
   test) setup test,recipes,xpu; exec "$PY" -m pytest -q "$@" ;;
-  bench) setup recipes,xpu; exec "$PY" -m benchmarks --quick "$@" ;;
+  bench) setup recipes,xpu,peers; exec "$PY" -m benchmarks --quick "$@" ;;
   *) echo "usage: bash run.sh {main|test|bench|setup} [args]" >&2; exit 2 ;;
 esac
