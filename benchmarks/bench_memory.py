@@ -56,6 +56,8 @@ BF16 = torch.bfloat16
 VARIANTS: dict[str, Variant] = {
     BASELINE: Variant("torch fused fp32 AdamW"),
     "optimize_bf16": Variant("optimize(bf16)", {"dtype": BF16}),
+    "optimize_bf16_bf16state": Variant("optimize(bf16, bf16 state)", {"dtype": BF16, "optimizer_state_dtype": BF16}),
+    "optimize_bf16_int8state": Variant("optimize(bf16, 8-bit state)", {"dtype": BF16, "optimizer_state_dtype": "int8"}),
     "optimize_bf16_release": Variant("optimize(bf16, step_in_backward)", {"dtype": BF16, "step_in_backward": True}),
     "optimize_bf16_bf16state_release": Variant(
         "optimize(bf16, bf16 state, step_in_backward)",
