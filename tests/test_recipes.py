@@ -188,3 +188,20 @@ def test_timm_recipe(tmp_path):
     assert run["name"] == "ipex_train bfloat16"
     _check_losses(run["losses"])
     _check_png(tmp_path / "timm_train.png")
+
+
+def test_memory_benchmark_smoke(tmp_path):
+    # Every variant of bench_memory runs (a 1-layer model: 4.2M parameters) and its bytes/param is what
+    # memory_report accounts for, within the allocator's slack.
+    path = tmp_path / "memory.json"
+    _run(["-m", "benchmarks.bench_memory", "--quick", "--layers", "1", "--threads", "1", "--json", str(path)],
+         timeout=180)
+    data = json.loads(path.read_text())
+    rows = {r["variant"]: r for r in data["results"]}
+    from benchmarks.bench_memory import VARIANTS
+
+    assert rows.keys() == VARIANTS.keys()
+    assert all(r["median_step_s"] > 0 and r["bytes_per_param"] > 0 for r in rows.values())
+    accounted = {n: r["accounted"]["bytes_per_parameter"]["total"] for n, r in rows.items()}
+    assert accounted["optimize_bf16_int8state_release"] < accounted["optimize_bf16_bf16state_release"] < 8.5
+    assert [t["target"] for t in data["targets"]]
