@@ -15,7 +15,10 @@ BERT-style encoder (BertStyleEncoder below: d_model 768, 12 heads, FFN 3072, seq
 
 Each model is calibrated once (2 batches of 4); the traced variants are traced at each batch size, each FX
 variant under its own engine (torch.jit.freeze re-packs quantized weights under the engine active then, as a user
-of that engine would have it set), int8_jit under the process's default engine (as torch.jit.load would). Each
+of that engine would have it set), int8_jit under the engine ipex_train packs for (onednn), like fx_onednn: both
+then run the same kernels (a model saved and loaded with torch.jit.load re-packs under the loading process's
+engine, stock's and ours alike; until session 4 int8_jit was frozen under the default x86 engine while fx_onednn
+had onednn's, which cost ours 3-8% at ResNet-50 b16). Each
 variant's output cosine similarity to eager fp32 is reported; build seconds include calibration.
 
 Timing: ``rounds`` rounds, each calling every variant ``calls`` times in turn (A, B, C, A, B, C, ...); a variant's
@@ -45,6 +48,7 @@ from torch import nn
 
 from benchmarks.bench_inference import _ipex_train, _time_interleaved
 from ipex_train import quantization
+from ipex_train.quantization._kernels import ENGINE  # the engine convert() packs weights for
 
 EXPORT_TARGET = 2.5  # int8 vs ipex_train fp32 export, ResNet-50 batch 16
 
@@ -199,7 +203,7 @@ def _case(name, model, built, build_s, skipped, shape, batch, args):
     x = torch.randn((batch,) + shape)
     fns, build_s = {"eager": model}, dict(build_s)
     tracers = {"fp32_export": lambda: _ipex_train(model, x), "int8": lambda: built["int8"],
-               "int8_jit": lambda: _traced(built["int8"], x)}
+               "int8_jit": lambda: _traced(built["int8"], x, ENGINE)}
     tracers.update({v: (lambda v=v: _traced(built[v], x, v[3:])) for v in ("fx_x86", "fx_onednn") if v in built})
     if "fx_onednn" in built:
         tracers["fx_onednn_eager"] = lambda: _engine_bound(built["fx_onednn"], "onednn")
