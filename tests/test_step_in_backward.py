@@ -241,7 +241,9 @@ def test_config_field():
 def test_reduced_state_with_split_bf16(name, state_dtype):
     # Reduced-byte state in this mode, on split bf16 weights. int8 state rounds to nearest: every bit as the normal
     # step. bf16 state rounds stochastically with a key counted per fused call (one per parameter here, one per
-    # group there): other draws, so the weights agree to a bf16 step of the state's contribution.
+    # group there): other draws. Where a second moment is tiny, another draw moves an Adam-style update by a good
+    # part of lr, so each weight may differ by up to one lr (measured: at most 0.6 lr) and the mean difference stays
+    # below lr / 100 (measured: at most 0.002 lr).
     cls, hyper = OPTIMIZERS[name]
     runs = []
     for release in (False, True):
@@ -260,5 +262,6 @@ def test_reduced_state_with_split_bf16(name, state_dtype):
         assert_same(model, rmodel)
         assert_same_state(opt, ropt)
     else:
-        for a, b in zip(model.parameters(), rmodel.parameters()):
-            torch.testing.assert_close(b.float(), a.float(), rtol=0.02, atol=1e-3)
+        diff = torch.cat([(b.float() - a.float()).abs().flatten() for a, b in zip(model.parameters(),
+                                                                                   rmodel.parameters())])
+        assert diff.max() <= hyper["lr"] and diff.mean() <= hyper["lr"] / 100, (diff.max(), diff.mean())
