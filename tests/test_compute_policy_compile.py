@@ -41,9 +41,9 @@ def _setup(policy):
                                bf16_compute=policy)
 
 
-def _losses(model, optimizer, steps=3):
+def _losses(model, optimizer, steps=3, shape=(4, 8, 6)):
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(4, 8, 6, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+    x, y = torch.randn(shape, generator=gen), torch.randint(0, 4, (shape[0],), generator=gen)
     losses = []
     for _ in range(steps):
         loss = F.cross_entropy(model(x).float(), y)
@@ -81,3 +81,24 @@ def test_compiled_train_steps_match_eager(policy):
     compiled = _losses(torch.compile(model, backend="aot_eager"), optimizer)
     assert compiled == pytest.approx(eager, rel=1e-3)
     assert compiled[-1] < compiled[0]
+
+
+def test_native_depthwise_in_fp32_compiles_without_graph_break():
+    # The native policy's fp32 depthwise convs (tests/test_compute_policy_native.py) enter the emulated scope from
+    # module hooks: no graph break, and compiled steps give the eager losses.
+    from test_compute_policy_native import _net
+
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Sequential(_net(), nn.Flatten(), nn.Linear(16 * 3 * 3, 4))
+        return ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.05), dtype=BF16,
+                                   bf16_compute="native")
+
+    shape = (4, 3, 12, 12)
+    eager = _losses(*setup(), shape=shape)
+    model, optimizer = setup()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(torch.randn(shape))
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    torch._dynamo.reset()
+    assert _losses(torch.compile(model, backend="aot_eager"), optimizer, shape=shape) == pytest.approx(eager, rel=1e-3)

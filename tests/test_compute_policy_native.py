@@ -6,7 +6,6 @@ rtol 2**-8, atol 1e-5 * max|reference|.
 """
 import pytest
 import torch
-import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -100,31 +99,3 @@ def test_summary_counts_the_fp32_depthwise_convs():
     model, optimizer = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
                                            bf16_compute="emulated")
     assert ipex_train.summary(model, optimizer).fp32_compute_convs == 0
-
-
-def test_compiled_native_depthwise_has_no_graph_break_and_matches_eager():
-    def losses(compiled):
-        torch.manual_seed(0)
-        model = nn.Sequential(_net(), nn.Flatten(), nn.LazyLinear(4))
-        model(torch.randn(1, 3, 12, 12))
-        model, optimizer = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.05), dtype=BF16,
-                                               bf16_compute="native")
-        if compiled:
-            torch._dynamo.reset()
-            explained = torch._dynamo.explain(model)(torch.randn(2, 3, 12, 12))
-            assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
-            torch._dynamo.reset()
-            model = torch.compile(model, backend="aot_eager")
-        gen = torch.Generator().manual_seed(1)
-        x, y = torch.randn(4, 3, 12, 12, generator=gen), torch.randint(0, 4, (4,), generator=gen)
-        out = []
-        for _ in range(3):
-            loss = F.cross_entropy(model(x).float(), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            out.append(loss.item())
-        return out
-
-    eager = losses(False)
-    assert losses(True) == pytest.approx(eager, rel=1e-3)
