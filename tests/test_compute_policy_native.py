@@ -4,7 +4,6 @@ Tolerance against an fp32 computation on the same bf16 values: both compute in f
 result to bf16 once, so they differ by at most one bf16 rounding (relative 2**-9) plus summation-order noise:
 rtol 2**-8, atol 1e-5 * max|reference|.
 """
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
