@@ -63,7 +63,7 @@ def _refuse_released(clip):
                                "(optimize(step_in_backward=True)), which frees each grad as soon as it is summed, so "
                                "there are no grads left to clip and clipping by the global norm is not possible. "
                                "Turn the mode off (optimizer.set_step_in_backward(False), or step_in_backward=False) "
-                               "to clip, or drop the clipping call")
+                               "to clip, or drop the clipping call (HF Trainer: max_grad_norm=0)")
         return clip(params, *args, **kwargs)
 
     checked._ipex_train_original = clip
