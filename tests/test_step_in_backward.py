@@ -265,3 +265,21 @@ def test_reduced_state_with_split_bf16(name, state_dtype):
         diff = torch.cat([(b.float() - a.float()).abs().flatten() for a, b in zip(model.parameters(),
                                                                                    rmodel.parameters())])
         assert diff.max() <= hyper["lr"] and diff.mean() <= hyper["lr"] / 100, (diff.max(), diff.mean())
+
+
+def test_norm_query_without_clipping_is_allowed(caplog):
+    # clip_grad_norm_ with max_norm=inf clips nothing (trainers log grad_norm this way): it runs, sees no grads,
+    # and says once that the norm it returns is not the gradient's.
+    from ipex_train.optim import _release
+
+    model = make_model()
+    model, opt = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), step_in_backward=True)
+    x, y = batches(1)[0]
+    loss_of(model, x, y).backward()
+    _release._warn_norm_query.cache_clear()
+    with caplog.at_level("WARNING", logger="ipex_train"):
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")) == 0
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf")) == 0
+    assert sum("already freed" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(RuntimeError, match="clip_grad_value_"):
+        torch.nn.utils.clip_grad_value_(model.parameters(), float("inf"))

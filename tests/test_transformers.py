@@ -122,3 +122,26 @@ def test_gradient_checkpointing_trains_as_without(policy):
     plain = run(False)
     torch.testing.assert_close(torch.tensor(run(True)), torch.tensor(plain), rtol=1e-3, atol=0)
     assert plain[-1] < plain[0]
+
+
+def test_trainer_with_step_in_backward(tmp_path):
+    # The HF Trainer asks clip_grad_norm_(params, inf) for the grad norm it logs, every step: allowed (with a
+    # warning: the grads are gone, so it reads 0). Real clipping (max_grad_norm > 0, its default) is refused.
+    def trainer(max_grad_norm):
+        model = tiny_bert().train()
+        model, opt = ipex_train.optimize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), dtype=BF16,
+                                         step_in_backward=True)
+        args = transformers.TrainingArguments(tmp_path, per_device_train_batch_size=4, max_steps=3, use_cpu=True,
+                                              report_to=[], disable_tqdm=True, seed=0, save_strategy="no",
+                                              max_grad_norm=max_grad_norm)
+        return transformers.Trainer(model=model, args=args, train_dataset=Data(), optimizers=(opt, None))
+
+    with pytest.raises(RuntimeError, match=r"clip_grad_norm_: these parameters are stepped inside backward.*"
+                                           r"max_grad_norm=0"):
+        trainer(1.0).train()
+    t = trainer(0.0)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    t.train()
+    after = t.model.state_dict()
+    assert all(not torch.equal(after[k], v) for k, v in before.items() if v.is_floating_point() and v.numel() > 16)
+    assert all(p.grad is None for p in t.model.parameters())

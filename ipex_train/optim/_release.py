@@ -23,6 +23,8 @@ What follows from stepping during backward:
 from __future__ import annotations
 
 import functools
+import logging
+import math
 import weakref
 
 import torch
@@ -59,6 +61,12 @@ def _refuse_released(clip):
     def checked(parameters, *args, **kwargs):
         params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
         if any(_stepped_in_backward(p) for p in params):
+            limit = args[0] if args else kwargs.get("max_norm", kwargs.get("clip_value"))
+            if clip.__name__ == "clip_grad_norm_" and limit == math.inf:
+                # A norm query that clips nothing (the HF Trainer logs grad_norm this way every step): allowed, so
+                # that such loops run; it sees no grads.
+                _warn_norm_query()
+                return clip(params, *args, **kwargs)
             raise RuntimeError(f"{clip.__name__}: these parameters are stepped inside backward "
                                "(optimize(step_in_backward=True)), which frees each grad as soon as it is summed, so "
                                "there are no grads left to clip and clipping by the global norm is not possible. "
@@ -68,6 +76,13 @@ def _refuse_released(clip):
 
     checked._ipex_train_original = clip
     return checked
+
+
+@functools.cache
+def _warn_norm_query() -> None:
+    logging.getLogger("ipex_train").warning(
+        "clip_grad_norm_(max_norm=inf) on parameters stepped inside backward: their grads are already freed, so the "
+        "norm it returns (and any grad_norm a trainer logs) is 0, not the gradient's norm")
 
 
 def _wrap_clipping() -> None:
