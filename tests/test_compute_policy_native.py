@@ -24,8 +24,9 @@ class ConvDtypes(TorchDispatchMode):
         self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (A.convolution, A.convolution_backward):
-            w = args[1] if func.overloadpacket is A.convolution else args[2]
+        # Under inference_mode the dispatcher sees conv2d itself, not its decomposition into convolution.
+        if func.overloadpacket in (A.convolution, A.conv2d, A.convolution_backward):
+            w = args[2] if func.overloadpacket is A.convolution_backward else args[1]
             self.calls.append((func.overloadpacket, tuple(w.shape), w.dtype))
         return func(*args, **(kwargs or {}))
 
@@ -98,3 +99,15 @@ def test_summary_counts_the_fp32_depthwise_convs():
     model, optimizer = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
                                            bf16_compute="emulated")
     assert ipex_train.summary(model, optimizer).fp32_compute_convs == 0
+
+
+def test_without_grad_the_depthwise_convs_stay_bf16():
+    # The rule is about slow bf16 backward kernels: a forward without grad keeps bf16 (its faster forward).
+    model = _net().to(BF16)
+    cp.attach(model, "native")
+    x = torch.randn(2, 3, 12, 12).to(BF16)
+    for scope in (torch.no_grad, torch.inference_mode):
+        with scope(), ConvDtypes() as seen:
+            model(x)
+        assert {dtype for _, _, dtype in seen.calls} == {BF16}
+        assert torch._C._len_torch_function_stack() == 0

@@ -19,7 +19,8 @@ Policies
     the fp32 path's time at stride 2 and 1.1-1.7x at 5x5/7x7 stride 1 (median over shapes;
     ``python -m benchmarks.depthwise_bf16``, Zen 4 with avx512_bf16, 2 threads), which made
     optimize(bf16) slower than fp32 on EfficientNet/MobileNetV3. 3x3 stride-1 ones stay bf16
-    (0.56-0.64x the fp32 path's time). Not measured on AMX CPUs.
+    (0.56-0.64x the fp32 path's time). Not measured on AMX CPUs. Only while grad is enabled: the
+    bf16 forward of these convs is the faster one, so no_grad/inference_mode forwards keep it.
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
@@ -238,6 +239,19 @@ def _leave_hook(module, args, output):
     _leave()
 
 
+# The native policy's depthwise rule is about backward kernels: without grad (eval loops, inference) the bf16
+# forward is the faster one (EfficientNet-B0 eval forward 14.6 vs 16.4 ms in fp32). The two hooks bracket one leaf
+# conv's forward, which cannot change grad mode, so they agree on whether the scope was entered.
+def _enter_hook_with_grad(module, args):
+    if torch.is_grad_enabled():
+        _enter()
+
+
+def _leave_hook_with_grad(module, args, output):
+    if torch.is_grad_enabled():
+        _leave()
+
+
 def slow_bf16_depthwise(module: torch.nn.Module) -> bool:
     """Whether the native policy computes ``module`` in fp32: a depthwise Conv2d with stride > 1 or kernel > 3."""
     return (isinstance(module, torch.nn.Conv2d) and 1 < module.groups == module.in_channels
@@ -266,8 +280,8 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     if policy == "native":
         for module in model.modules():
             if slow_bf16_depthwise(module):
-                hooks.append(module.register_forward_pre_hook(_enter_hook))
-                hooks.append(module.register_forward_hook(_leave_hook, always_call=True))
+                hooks.append(module.register_forward_pre_hook(_enter_hook_with_grad))
+                hooks.append(module.register_forward_hook(_leave_hook_with_grad, always_call=True))
     else:
         # On the model and every submodule that has children: activation checkpointing re-runs a block's forward
         # during backward, outside the model's forward (HF gradient_checkpointing_enable() on a GPT-2 failed with
