@@ -5,6 +5,7 @@ Adding a variant is one function decorated with ``@variant(name)``: it gets the 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,9 +19,19 @@ from ipex_train import compute_policy
 from .train_models import ModelSpec
 
 BF16 = torch.bfloat16
-# Where the CPU has bf16 units, torch's bf16 kernels are fast and autocast is a normal timed variant; elsewhere they
-# run reference kernels (minutes per step) and get few steps.
-NATIVE_BF16 = compute_policy.cpu_has_native_bf16()
+
+# ``bench_train_step --cpu-isa avx2``: every kernel library limited to AVX2 and ipex_train's emulated bf16 policy, so
+# that a CPU with AVX-512 and bf16 units runs what an AVX2-only CPU without them runs (fp32 kernels of AVX2 width,
+# torch's bf16 kernels without bf16 units: reference ones). Set in the driver's environment, which workers inherit.
+CPU_ISA_ENV = "IPEX_TRAIN_BENCH_CPU_ISA"
+AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+            "IPEX_TRAIN_KERNEL": "avx2", "IPEX_TRAIN_BF16_COMPUTE": "emulated", CPU_ISA_ENV: "avx2"}
+
+
+def native_bf16() -> bool:
+    """Whether torch's bf16 kernels run on bf16 units here: the CPU has them and the run is not limited to AVX2.
+    Where they do, autocast is a normal timed variant; elsewhere they run reference kernels (minutes per step)."""
+    return compute_policy.cpu_has_native_bf16() and os.environ.get(CPU_ISA_ENV) != "avx2"
 
 Step = Callable[[torch.Tensor, torch.Tensor], float]
 
@@ -28,8 +39,13 @@ Step = Callable[[torch.Tensor, torch.Tensor], float]
 @dataclass(frozen=True)
 class Variant:
     build: Callable[[nn.Module, ModelSpec], tuple[Step, torch.dtype]]
-    slow: bool  # runs torch's bf16 kernels on a CPU without bf16 units: few steps
+    bf16_kernels: bool  # runs torch's bf16 kernels
     compiled: bool  # torch.compile: its first step compiles
+
+    @property
+    def slow(self) -> bool:
+        """Runs torch's bf16 kernels without bf16 units: few steps."""
+        return self.bf16_kernels and not native_bf16()
 
 
 VARIANTS: dict[str, Variant] = {}
@@ -40,7 +56,7 @@ def variant(name: str, bf16_kernels: bool = False, compiled: bool = False):
     torch's bf16 kernels, slow where the CPU has no bf16 units)."""
 
     def register(fn):
-        VARIANTS[name] = Variant(fn, bf16_kernels and not NATIVE_BF16, compiled)
+        VARIANTS[name] = Variant(fn, bf16_kernels, compiled)
         return fn
 
     return register

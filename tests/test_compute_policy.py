@@ -473,3 +473,16 @@ def test_nested_scopes_share_one_mode():
     assert heavy.bf16 == [] and depths == [1]
     assert inner_handle.active
     assert torch._C._len_torch_function_stack() == 0
+
+
+def test_mode_looks_inside_only_composites_that_can_reach_an_emulated_op():
+    # The mode re-enters itself around a torch.nn.functional composite so that the ops inside are seen; composites
+    # that cannot call an emulated op (dropout, layer_norm: several per transformer block) are called directly.
+    from ipex_train.compute_policy import _mode
+
+    reaching = _mode._reaching_emulated_ops()
+    assert F.multi_head_attention_forward in reaching  # names linear, baddbmm, scaled_dot_product_attention
+    assert F._in_projection_packed in reaching  # reaches linear through F.linear
+    assert {F.dropout, F.layer_norm, F.batch_norm, F.relu, F.gelu} & reaching == set()
+    assert F.multi_head_attention_forward in _mode._TRANSPARENT
+    assert set(_mode._TRANSPARENT) <= reaching

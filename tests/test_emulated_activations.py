@@ -271,7 +271,7 @@ def test_large_weight_casts_through_scratch_buffers_match_fp32():
         assert mode.copies == [] or all(r() is None for r in mode.copies)
         loss.backward()
         reference(x, tokens).backward()
-    assert _saved._scratch.forward.numel() >= 128 * 64 * 9 and _saved._scratch.backward.numel() >= 128 * 64 * 9
+    assert _saved._scratch.buffer.numel() >= 128 * 64 * 9  # forward casts and backward recasts went through it
     for n, p in reference.named_parameters():
         got = model.get_parameter(n).grad.float()
         torch.testing.assert_close(got, p.grad, rtol=2**-7, atol=1e-5 * float(p.grad.abs().max()))

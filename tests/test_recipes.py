@@ -205,3 +205,19 @@ def test_memory_benchmark_smoke(tmp_path):
     accounted = {n: r["accounted"]["bytes_per_parameter"]["total"] for n, r in rows.items()}
     assert accounted["optimize_bf16_int8state_release"] < accounted["optimize_bf16_bf16state_release"] < 8.5
     assert [t["target"] for t in data["targets"]]
+
+
+def test_train_step_benchmark_as_on_an_avx2_cpu(tmp_path):
+    # --cpu-isa avx2 measures the targets for CPUs without bf16 units on any x86 CPU: every worker's kernels are
+    # limited to AVX2 and optimize(bf16) takes the emulated policy there, as it would on such a CPU.
+    path = tmp_path / "train.json"
+    _run(["-m", "benchmarks.bench_train_step", "--quick", "--cpu-isa", "avx2", "--models", "resnet_cnn",
+          "--variants", "fp32", "optimize_bf16", "--threads", "1", "--json", str(path)], timeout=300)
+    data = json.loads(path.read_text())
+    assert data["meta"]["cpu_isa_limit"] == "avx2" and data["meta"]["policy_here"]["bf16_compute"] == "emulated"
+    results = {r["variant"]: r for r in data["results"]}
+    assert results.keys() == {"fp32", "optimize_bf16"}
+    assert all(r["cpu_capability"] == "AVX2" for r in results.values())
+    assert results["optimize_bf16"]["bf16_compute"] == "emulated"
+    assert all(len(r["step_times_s"]) == 6 and "memory" in r for r in results.values())
+    assert any(t["target"] == "resnet_cnn optimize_bf16 step time <= 1.0x fp32" for t in data["targets"])

@@ -269,12 +269,39 @@ def _transparent(func: types.FunctionType) -> types.FunctionType | None:
     return copy
 
 
+def _names(code: types.CodeType) -> set[str]:
+    """Global and attribute names a code object (and the functions defined in it) refers to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _reaching_emulated_ops() -> set[types.FunctionType]:
+    """The torch.nn.functional functions that can call an emulated op: they name one (``linear``, ``bmm``,
+    ``scaled_dot_product_attention``...), name another such function of the module, or run a function passed in
+    (``distance_function``). Only these need the mode to see inside them; re-entering it around the rest (dropout,
+    layer_norm, batch_norm, relu: 3-4 per block) cost a context switch and a second dispatch per call for nothing."""
+    emulated = {getattr(func, "__name__", None) for func in _EMULATED} - {None}
+    functions = {name: func for name, func in vars(F).items() if type(func) is types.FunctionType}
+    names = {name: _names(func.__code__) for name, func in functions.items()}
+    reaching = {name for name, func in functions.items()
+                if names[name] & emulated or any("function" in arg for arg in func.__code__.co_varnames)}
+    grown = True
+    while grown:
+        more = {name for name in functions if name not in reaching and names[name] & reaching}
+        reaching |= more
+        grown = bool(more)
+    return {functions[name] for name in reaching}
+
+
 # Built once at import, not on first call: torch.compile cannot trace the creation of a function object
 # (type.__new__), and a lazily built copy broke the graph at every functional call inside a compiled forward.
 _TRANSPARENT = {
     func: body
-    for func in vars(F).values()
-    if type(func) is types.FunctionType and (body := _transparent(func)) is not None
+    for func in _reaching_emulated_ops()
+    if (body := _transparent(func)) is not None
 }
 
 
