@@ -178,7 +178,7 @@ MEMORY_STEPS = 3
 
 
 # The variants memory targets are stated for (and their reference); the others' memory is not measured.
-MEMORY_VARIANTS = ("fp32", "optimize_bf16", "optimize_bf16_autocast", "optimize_bf16_emulated")
+MEMORY_VARIANTS = ("fp32", "optimize_bf16", "optimize_bf16_autocast", "optimize_bf16_emulated", "optimize_bf16_contiguous")
 
 
 def memory_run(model_name: str, variants: list[str], threads: int | None) -> dict[str, dict]:
