@@ -115,3 +115,13 @@ def q8_encode(x: torch.Tensor, signed: bool) -> torch.Tensor:
 def combine_bf16(top: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """Rebuild the exact fp32 tensor from a bf16 top and its int16 residual (inverse of :func:`split_bf16`)."""
     return ops.combine_bf16(top, residual)
+
+
+def emulated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    scratch: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for an fp32 ``x`` and a 2-D bf16 ``weight`` (bias bf16 or None), computed in
+    fp32 from the bf16 values and returned in fp32, as one autograd node (kernels_cpu/src/emulated_linear.cpp) that
+    saves ``x`` and the bf16 weight. The weight is cast into ``scratch`` (a contiguous 1-D fp32 buffer, reused across
+    calls) when it holds enough elements, else into a fresh tensor; the emulated compute policy's linear."""
+    return ops.emulated_linear(x, weight, bias, scratch)
+

@@ -59,9 +59,11 @@ each input's dtype (bf16 for bf16 weights, fp32 for fp32 weights under autocast)
 save their inputs as they come (not fp32 copies of bf16 ones: saved memory stays that of bf16
 training) and cast them again in backward. Attention saves its fp32 output and log-sum-exp, which
 the fused attention backward needs; that is what fp32 training saves for it. bf16 weights on fp32
-activations need no Function: the op runs on autograd-tracked fp32 casts of the weights, so its
-backward runs in C++ in fp32 and the cast's backward rounds the weight grad to bf16 (no Python
-Function per op in backward). Saved-tensor hooks around that op make autograd keep the bf16 weight
+activations need no Python Function: ``F.linear`` (every nn.Linear) runs as one C++ autograd node
+(``_ops.emulated_linear``) that saves the input and the bf16 weight and casts the weight again in its
+backward; the other ops run on autograd-tracked fp32 casts of the weights, so their backward runs in
+C++ in fp32 and the cast's backward rounds the weight grad to bf16 (no Python Function per op in
+backward). Saved-tensor hooks around that op make autograd keep the bf16 weight
 instead of its fp32 copy and cast it again when backward unpacks it: an fp32 copy of every weight
 alive from forward to backward would put peak memory above fp32 training's. Under activation
 checkpointing (hooks of its own) and torch.compile the copies are saved as autograd would.

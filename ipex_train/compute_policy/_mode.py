@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .. import _ops
 from . import _saved
 from ._functions import (
     _AddMatmul,
@@ -101,6 +102,19 @@ def _upcast_call(func, args, kwargs, out_dtype, scratch: bool = False):
         if out_dtype != torch.float32:
             result = down(result)
     return result if out is None else out.copy_(result)
+
+
+def _weight_linear(args, kwargs):
+    """F.linear of an fp32 input on a bf16 weight (and bf16 bias), the emulated policy's common case under
+    optimize(), as one C++ autograd node (``emulated_linear``); None when the call is not of that form."""
+    a = _bind(("input", "weight", "bias"), {"bias": None}, args, kwargs)
+    if a is None or torch.compiler.is_compiling():
+        return None  # compiled graphs take the generic path, whose casts the compiler sees
+    x, w, b = a["input"], a["weight"], a["bias"]
+    if (x.dtype != torch.float32 or w.dtype != torch.bfloat16 or w.dim() != 2
+            or (b is not None and (b.dtype != torch.bfloat16 or b.dim() != 1))):
+        return None
+    return _ops.emulated_linear(x, w, b, _saved.scratch_for(w))
 
 
 def _linear(func, args, kwargs, out_dtype):
@@ -315,6 +329,8 @@ class _EmulationMode(TorchFunctionMode):
         if impl is not None:
             out_dtype = _emulated_dtype(_operands(args, kwargs), func not in _NOT_LOWERED_BY_AUTOCAST)
             if out_dtype == torch.float32:
+                if func is F.linear and (result := _weight_linear(args, kwargs)) is not None:
+                    return result
                 # bf16 weights on fp32 activations: casting the weights up (autograd-tracked) is all it takes. The
                 # op and its backward then run in C++ on fp32 (autograd keeping the bf16 weight, recast_saved), and
                 # the cast's backward rounds the weight grad to bf16; a Python Function per op would add overhead.

@@ -42,14 +42,27 @@ def _eligible(t: torch.Tensor) -> bool:
     return _SCRATCH_MIN <= t.numel() <= _SCRATCH_MAX and _dense(t)
 
 
+def buffer(end: int) -> torch.Tensor:
+    """This thread's scratch buffer, grown to at least ``end`` fp32 elements."""
+    if _scratch.buffer.numel() < end:
+        _scratch.buffer = torch.empty(end, dtype=torch.float32)
+    return _scratch.buffer
+
+
+def scratch_for(weight: torch.Tensor) -> torch.Tensor:
+    """The scratch buffer for the fp32 cast of ``weight`` when it is worth one (else an empty tensor): what
+    ``torch.ops.ipex_train.emulated_linear`` casts into, in forward and again in backward."""
+    return buffer(weight.numel()) if _eligible(weight) and weight.is_contiguous() else _EMPTY
+
+
+_EMPTY = torch.empty(0)
+
+
 def _in_buffer(end: int, source: torch.Tensor, offset: int) -> torch.Tensor:
     """An fp32 tensor shaped and strided like ``source`` over elements [offset, offset + numel) of this thread's
     buffer (grown to ``end`` elements when shorter), not an autograd view of it (so that writes in one op are no
     in-place history of another's)."""
-    buf = _scratch.buffer
-    if buf.numel() < end:
-        buf = _scratch.buffer = torch.empty(end, dtype=torch.float32)
-    return torch.empty(0).set_(buf.untyped_storage(), offset, source.shape, source.stride())
+    return torch.empty(0).set_(buffer(end).untyped_storage(), offset, source.shape, source.stride())
 
 
 def _layout(sources: list[torch.Tensor], scratch: bool) -> tuple[list[int | None], int]:
