@@ -367,3 +367,22 @@ def test_weight_linear_written_between_forward_and_backward_is_an_error():
         w.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_weight_linear_backward_on_another_thread():
+    # The node casts into the forward thread's scratch buffer; a backward run on another thread casts afresh
+    # (that buffer may be in use by the forward thread meanwhile) and gives the same grads.
+    import threading
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 300, requires_grad=True)
+    w = torch.randn(300, 300).to(BF16).requires_grad_()
+    with compute_policy.emulated_bf16():
+        y = F.linear(x, w)
+    y.sum().backward(retain_graph=True)
+    same_thread = w.grad.clone()
+    w.grad = None
+    worker = threading.Thread(target=lambda: y.sum().backward())
+    worker.start()
+    worker.join()
+    torch.testing.assert_close(w.grad, same_thread, rtol=0, atol=0)

@@ -63,7 +63,7 @@ activations need no Python Function: ``F.linear`` (every nn.Linear) runs as one 
 (``_ops.emulated_linear``) that saves the input and the bf16 weight and casts the weight again in its
 backward; the other ops run on autograd-tracked fp32 casts of the weights, so their backward runs in
 C++ in fp32 and the cast's backward rounds the weight grad to bf16 (no Python Function per op in
-backward). Saved-tensor hooks around that op make autograd keep the bf16 weight
+backward). Saved-tensor hooks around those ops make autograd keep the bf16 weight
 instead of its fp32 copy and cast it again when backward unpacks it: an fp32 copy of every weight
 alive from forward to backward would put peak memory above fp32 training's. Under activation
 checkpointing (hooks of its own) and torch.compile the copies are saved as autograd would.

@@ -11,6 +11,9 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <functional>
+#include <thread>
+
 namespace ipex_train {
 namespace {
 
@@ -26,6 +29,10 @@ at::Tensor cast_up(const at::Tensor& w, const at::Tensor& scratch) {
   return scratch.narrow(0, 0, w.numel()).view(w.sizes()).copy_(w);
 }
 
+int64_t this_thread() {
+  return static_cast<int64_t>(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+}
+
 struct EmulatedLinear : public torch::autograd::Function<EmulatedLinear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             const std::optional<at::Tensor>& b, const at::Tensor& scratch) {
@@ -33,6 +40,9 @@ struct EmulatedLinear : public torch::autograd::Function<EmulatedLinear> {
     // The buffer is held as plain data, not a saved variable: other ops write it between forward and backward
     // (its version changes by design), and this node only reads it after casting into it again.
     ctx->saved_data["scratch"] = scratch;
+    // The buffer is the forward thread's: a backward run on another thread (while this one may be casting into
+    // it) takes a fresh cast instead.
+    ctx->saved_data["thread"] = this_thread();
     ctx->saved_data["bias_dtype"] = b.has_value() ? b->scalar_type() : at::kFloat;
     at::Tensor b32 = b.has_value() ? b->to(at::kFloat) : at::Tensor();
     return at::linear(x, cast_up(w, scratch), b32);
@@ -44,8 +54,8 @@ struct EmulatedLinear : public torch::autograd::Function<EmulatedLinear> {
     const at::Tensor& w = saved[1];
     const at::Tensor& g = grads[0];
     // With create_graph the cast is part of the new graph and must outlive this node.
-    at::Tensor w32 = at::GradMode::is_enabled() ? w.to(at::kFloat)
-                                                : cast_up(w, ctx->saved_data["scratch"].toTensor());
+    const bool own_buffer = !at::GradMode::is_enabled() && ctx->saved_data["thread"].toInt() == this_thread();
+    at::Tensor w32 = own_buffer ? cast_up(w, ctx->saved_data["scratch"].toTensor()) : w.to(at::kFloat);
     at::Tensor gx, gw, gb;
     // One (rows, out_features) matrix for all three grads: a strided grad (a permuted layout's) is copied once.
     at::Tensor g2 = g.reshape({-1, w.size(0)});
