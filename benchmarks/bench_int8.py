@@ -17,7 +17,7 @@ Each model is calibrated once (2 batches of 4); the traced variants are traced a
 variant under its own engine (torch.jit.freeze re-packs quantized weights under the engine active then, as a user
 of that engine would have it set), int8_jit under the engine ipex_train packs for (onednn), like fx_onednn: both
 then run the same kernels (a model saved and loaded with torch.jit.load re-packs under the loading process's
-engine, stock's and ours alike; until session 4 int8_jit was frozen under the default x86 engine while fx_onednn
+engine, stock's and ours alike; before 2026-11-24 int8_jit was frozen under the default x86 engine while fx_onednn
 had onednn's, which cost ours 3-8% at ResNet-50 b16). Each
 variant's output cosine similarity to eager fp32 is reported; build seconds include calibration.
 

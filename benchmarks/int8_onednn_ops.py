@@ -1,9 +1,9 @@
 """Would oneDNN's plain-tensor int8 ops (``onednn::qconv2d_pointwise`` and its ``.binary`` overload, which fuses a
 residual add + relu into the convolution) beat the quantized-tensor kernels ipex_train.quantization runs today?
 
-    flock /tmp/ipex_bench.lock python -m benchmarks.int8_onednn_ops [--quick] [--json PATH]
+    python -m benchmarks.int8_onednn_ops [--quick] [--json PATH]
 
-A measurement, not part of ``python -m benchmarks`` (issue #17's question, answered in README "INT8 quantization").
+A measurement, not part of ``python -m benchmarks`` (answered in docs/benchmarks.md, "oneDNN plain-tensor int8 ops").
 In one process, variants called in turn within each round; medians over rounds, and each speedup the median over
 rounds of the per-round ratio:
 
