@@ -171,3 +171,29 @@ def test_convert_and_save_refuse_what_load_refuses(tmp_path, magnitude, shown):
     path.write_text(json.dumps(prepared.qconf_summary()))  # what an unchecked save would have written
     with pytest.raises(ValueError, match=problem):
         q.prepare(model, example_inputs=x).load_qconf_summary(path)
+
+
+# 3. inputs of the int8 model -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("conv, batched", [(nn.Conv1d, (2, 3, 12)), (nn.Conv2d, (2, 3, 8, 8)),
+                                           (nn.Conv3d, (2, 3, 4, 6, 6))])
+def test_unbatched_conv_input_runs_as_in_fp32(conv, batched):
+    torch.manual_seed(0)
+    model = nn.Sequential(conv(3, 4, 3), nn.ReLU(), conv(4, 4, 1)).eval()
+    x = torch.randn(batched)
+    _, int8 = quantize(model, x, [x])
+    with torch.no_grad():
+        one = int8(x[0])
+        assert one.shape == model(x[0]).shape
+        assert torch.equal(one, int8(x[:1])[0])  # the same kernels, on a batch of one
+        assert cos(one, model(x[0])) >= 0.999
+
+
+def test_wrong_rank_conv_input_names_op_shape_and_accepted_ranks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    _, int8 = quantize(model, x, [x])
+    with torch.no_grad(), pytest.raises(ValueError, match=r"int8 Conv2d '0': input of shape \(2, 3, 1, 8, 8\); "
+                                                          r"accepted are 4-D batched .* and 3-D unbatched"):
+        int8(x.unsqueeze(2))

@@ -203,6 +203,7 @@ def convert(prepared, inplace=False) -> QuantizedModel:
 
 
 _CHANNELS_LAST = {"conv2d": torch.channels_last, "conv3d": torch.channels_last_3d}
+_BATCHED_RANK = {"conv1d": 3, "conv2d": 4, "conv3d": 5}
 
 
 def _unsupported(m: nn.Module) -> str | None:
@@ -232,7 +233,7 @@ def _int8_layer(op, m: nn.Module, e: dict) -> Int8Layer:
     q.set_weight_bias(_quantize_weight(m.weight, e), None if m.bias is None else m.bias.detach().float())
     q.scale, q.zero_point = float(e["output_scales"][0]), int(e["output_zero_points"][0])
     return Int8Layer(op.name, q, float(e["input_scales"][0]), int(e["input_zero_points"][0]),
-                     e["outputs_quantized"][0], relu, _CHANNELS_LAST.get(op.kind))
+                     e["outputs_quantized"][0], relu, _CHANNELS_LAST.get(op.kind), _BATCHED_RANK.get(op.kind))
 
 
 def _quantize_weight(weight: torch.Tensor, e: dict) -> torch.Tensor:

@@ -39,9 +39,9 @@ class Int8Layer(nn.Module):
     """A Conv/Linear replaced by torch's quantized module (its relu fused when post_op is "relu")."""
 
     def __init__(self, name: str, qmodule: nn.Module, in_scale: float, in_zero_point: int, out_quantized: bool,
-                 relu: bool, memory_format: torch.memory_format | None):
+                 relu: bool, memory_format: torch.memory_format | None, rank: int | None):
         super().__init__()
-        self.op_name, self.q = name, qmodule
+        self.op_name, self.q, self.rank = name, qmodule, rank  # rank: a conv's batched input rank
         self.in_scale, self.in_zero_point = in_scale, in_zero_point
         self.out_quantized, self.relu, self.memory_format = out_quantized, relu, memory_format
         # The quantized module's own kernel (quantized::conv2d_relu, quantized::linear, ...), called directly: its
@@ -50,13 +50,24 @@ class Int8Layer(nn.Module):
 
     def forward(self, x):
         with torch._C.DisableTorchFunction():  # the runtime mode must not dequantize this layer's own int8 calls
+            # nn.ConvNd also takes an unbatched (C, ...) input; torch's quantized conv kernels take batched ones only
+            unbatched = self.rank is not None and x.dim() == self.rank - 1
+            if self.rank is not None and not unbatched and x.dim() != self.rank:
+                raise ValueError(
+                    f"int8 Conv{self.rank - 2}d {self.op_name!r}: input of shape {tuple(x.shape)}; accepted are "
+                    f"{self.rank}-D batched (N, C, ...) and {self.rank - 1}-D unbatched (C, ...) inputs, as for "
+                    f"torch.nn.Conv{self.rank - 2}d")
             if not x.is_quantized:
                 x = Runtime.quantize(x, self.in_scale, self.in_zero_point)
+            if unbatched:
+                x = x.unsqueeze(0)
             if self.memory_format is not None and not x.is_contiguous(memory_format=self.memory_format):
                 x = x.contiguous(memory_format=self.memory_format)  # channels-last: oneDNN's fast int8 layout
             q = self.q
             y = self._kernel(x, q._packed_params._packed_params if self._linear else q._packed_params, q.scale,
                              q.zero_point)
+            if unbatched:
+                y = y.squeeze(0)
             if not self.out_quantized:
                 return y.dequantize()
         Runtime.tag(y, self.op_name, self.relu)
