@@ -197,3 +197,19 @@ def test_wrong_rank_conv_input_names_op_shape_and_accepted_ranks():
     with torch.no_grad(), pytest.raises(ValueError, match=r"int8 Conv2d '0': input of shape \(2, 3, 1, 8, 8\); "
                                                           r"accepted are 4-D batched .* and 3-D unbatched"):
         int8(x.unsqueeze(2))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_input_gives_nan_output(residual, value):
+    model, data = residual
+    _, int8 = quantize(model, data[0], data)
+    x = data[1].clone()
+    with torch.no_grad():
+        clean = int8(x)
+        x[2, 1, 3, 3] = value
+        assert not torch.isfinite(model(x)).all()  # what fp32 gives
+        assert torch.isnan(int8(x)).all()  # int8: the whole output of that call (docs/quantization_bad_inputs.md)
+        assert torch.equal(int8(data[1]), clean)  # a clean call is not affected
+        traced = torch.jit.trace(int8, data[1], check_trace=False)  # the check is tensor ops: a trace keeps it
+        assert torch.equal(traced(data[1]), clean)
+        assert torch.isnan(traced(x)).all()

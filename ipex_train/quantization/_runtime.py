@@ -106,6 +106,12 @@ def _dequantize(x):
     return x.dequantize() if isinstance(x, torch.Tensor) and x.is_quantized else x
 
 
+def _adding(zero_or_nan):
+    def apply(x):
+        return x + zero_or_nan if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+    return apply
+
+
 class Runtime(TorchFunctionMode):
     """The mode of one QuantizedModel forward. ``calls`` (a Counter), when given, counts the fp32 calls by name."""
 
@@ -119,6 +125,13 @@ class Runtime(TorchFunctionMode):
         # small layer at batch 1; a stale id (tensor freed, id reused) fails the identity check.
         self._flow: dict[int, tuple] = {}
         self.last = None  # (fp32 tensor, its version, scale, zero point, int8 tensor) of the last quantization
+        # The sum of every tensor quantized in this forward (None before any): non-finite when one held NaN or
+        # +-inf, which quantizing would clamp to finite codes. QuantizedModel adds sums - sums (0, or NaN) to its
+        # outputs, so they are NaN as fp32's would have been. One cheap reduction per quantized tensor
+        # (isfinite().any() cost 10-20x more here); tensor ops, not a Python branch: no synchronisation, and a
+        # trace records it. A sum of finite values reaches float32's 3.4e38 only for values far past what any
+        # accepted scale represents (255 * 2**42), which saturate.
+        self.sums = None
 
     def __enter__(self):
         self.outer, Runtime._local.current = Runtime.active(), self
@@ -143,6 +156,8 @@ class Runtime(TorchFunctionMode):
         q = torch.quantize_per_tensor(x, scale, zero_point, torch.quint8)
         if rt is not None:
             rt.last = (x, *key, q)
+            total = x.sum()
+            rt.sums = total if rt.sums is None else rt.sums.add_(total)
         return q
 
     @staticmethod
@@ -207,7 +222,9 @@ class Runtime(TorchFunctionMode):
 
 class QuantizedModel(nn.Module):
     """The int8 model convert() returns: ``model`` is the converted module tree; call this wrapper, which runs it
-    under the runtime mode and hands back fp32 outputs."""
+    under the runtime mode and hands back fp32 outputs. A call whose fp32 values entering int8 (the inputs, or
+    the results of fp32 ops between int8 layers) hold a NaN or an infinity returns NaN in every floating output
+    element: int8 codes cannot hold them, and a finite answer would hide the bad input."""
 
     def __init__(self, model: nn.Module, adds: dict[tuple, AddPlan], summary: list[dict], fp32: list[str]):
         super().__init__()
@@ -215,9 +232,11 @@ class QuantizedModel(nn.Module):
         self._adds, self._summary, self._fp32 = adds, summary, fp32
 
     def forward(self, *args, **kwargs):
-        with Runtime(self._adds):
+        runtime = Runtime(self._adds)
+        with runtime:
             out = self.model(*args, **kwargs)
-        return tree_map(_dequantize, out)
+        out = tree_map(_dequantize, out)
+        return out if runtime.sums is None else tree_map(_adding(runtime.sums - runtime.sums), out)
 
     def qconf_summary(self) -> list[dict]:
         """The qconf summary this model was converted from (what save_qconf_summary wrote or would write)."""
