@@ -62,7 +62,7 @@ class FailsOnFlag(nn.Module):
 
 @pytest.mark.parametrize("value, counts", [(float("nan"), "1 NaN and 0 infinite"),
                                            (float("inf"), "0 NaN and 1 infinite"),
-                                           (float("-inf"), "0 NaN and 1 infinite")])
+                                           (float("-inf"), "0 NaN and 1 infinite")], ids=["nan", "inf", "-inf"])
 def test_non_finite_calibration_value_raises_naming_op_and_batch(residual, value, counts):
     model, data = residual
     prepared = _calibrated(model, data[:1])
@@ -131,7 +131,8 @@ def _edited(tmp_path, prepared, op, key, value):
 
 
 @pytest.mark.parametrize("key, index", [("input_scales", r"\[0\]"), ("output_scales", r"\[0\]"),
-                                        ("weight_scales", r"\[0\]\[0\]")])
+                                        ("weight_scales", r"\[0\]\[0\]")], ids=["input_scales", "output_scales",
+                                                                                  "weight_scales"])
 @pytest.mark.parametrize("value", [1e30, 1e-30, 1e-45, 2.0 ** 42 * 1.001, float("inf")])
 def test_hand_edited_scale_out_of_range_is_refused(residual, tmp_path, key, index, value):
     model, data = residual
@@ -152,7 +153,8 @@ def test_scales_at_the_range_ends_load_and_run(residual, tmp_path, value):
         assert torch.isfinite(q.convert(prepared)(data[1])).all()
 
 
-@pytest.mark.parametrize("magnitude, shown", [(3e38, "inf"), (1e20, r"7\.84\d*e\+17")])
+@pytest.mark.parametrize("magnitude, shown", [(3e38, "inf"), (1e20, r"7\.84\d*e\+17")],
+                         ids=["infinite_scale", "scale_past_2**42"])
 def test_convert_and_save_refuse_what_load_refuses(tmp_path, magnitude, shown):
     # Finite calibration values whose range gives an infinite scale (3e38 - -3e38 overflows float32) or one past
     # 2**42: convert() and save_qconf_summary() run load_qconf_summary's check, with the same message.
@@ -176,7 +178,7 @@ def test_convert_and_save_refuse_what_load_refuses(tmp_path, magnitude, shown):
 # 3. inputs of the int8 model -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("conv, batched", [(nn.Conv1d, (2, 3, 12)), (nn.Conv2d, (2, 3, 8, 8)),
-                                           (nn.Conv3d, (2, 3, 4, 6, 6))])
+                                           (nn.Conv3d, (2, 3, 4, 6, 6))], ids=["conv1d", "conv2d", "conv3d"])
 def test_unbatched_conv_input_runs_as_in_fp32(conv, batched):
     torch.manual_seed(0)
     model = nn.Sequential(conv(3, 4, 3), nn.ReLU(), conv(4, 4, 1)).eval()
@@ -213,3 +215,14 @@ def test_non_finite_input_gives_nan_output(residual, value):
         traced = torch.jit.trace(int8, data[1], check_trace=False)  # the check is tensor ops: a trace keeps it
         assert torch.equal(traced(data[1]), clean)
         assert torch.isnan(traced(x)).all()
+
+
+def test_non_finite_value_made_by_an_fp32_op_before_an_int8_layer_gives_nan_output():
+    torch.manual_seed(0)
+    model = LogThenLinear().eval()
+    x = torch.rand(3, 8) + 0.1
+    _, int8 = quantize(model, x, [x])
+    x[1, 2] = 0.0  # log(0) = -inf reaches fc's quantization
+    with torch.no_grad():
+        assert not torch.isfinite(model(x)).all()
+        assert torch.isnan(int8(x)).all()
