@@ -69,8 +69,8 @@ def test_non_finite_calibration_value_raises_naming_op_and_batch(residual, value
     before = copy.deepcopy(prepared.qconf_summary())
     bad = data[1].clone()
     bad[0, 0, 0, 0] = value
-    with torch.no_grad(), pytest.raises(ValueError, match=rf"calibration batch 2: input 0 of op 'conv1' \(conv2d\) "
-                                                          rf"holds {counts} values"):
+    message = rf"calibration batch 2 \(after 1 accepted\): input 0 of op 'conv1' \(conv2d\) holds {counts} values"
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
         prepared(bad)
     assert prepared.calibration_batches == 1 and prepared.qconf_summary() == before  # the batch changed nothing
     with torch.no_grad():
@@ -86,8 +86,8 @@ def test_non_finite_value_made_inside_the_model_names_that_op():
     prepared = q.prepare(model, example_inputs=x)
     x0 = x.clone()
     x0[1, 3] = 0.0
-    with torch.no_grad(), pytest.raises(ValueError, match=r"calibration batch 1: input 0 of op 'fc' \(linear\) "
-                                                          r"holds 0 NaN and 1 infinite"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"calibration batch 1 \(after 0 accepted\): input 0 "
+                                                          r"of op 'fc' \(linear\) holds 0 NaN and 1 infinite"):
         prepared(x0)
     with pytest.raises(RuntimeError, match="no calibration batch"):
         prepared.qconf_summary()

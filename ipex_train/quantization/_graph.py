@@ -227,7 +227,8 @@ class Recorder(TorchFunctionMode):
             if not bool(finite.all()):
                 nan = int(torch.isnan(t).sum())
                 raise ValueError(
-                    f"ipex_train.quantization: calibration batch {self.batch}: {label} of op {op.name!r} "
+                    f"ipex_train.quantization: calibration batch {self.batch} (after {self.batch - 1} accepted): "
+                    f"{label} of op {op.name!r} "
                     f"({op.kind}) holds {nan} NaN and {int(finite.numel() - finite.sum()) - nan} infinite values; "
                     "a scale needs finite values. The batch was not recorded (the prepared model is as before "
                     "it): leave it out or clean it, then go on calibrating")
