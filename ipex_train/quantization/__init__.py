@@ -30,6 +30,10 @@ No torch.fx: prepare() finds the ops by running the model once under module hook
 CPUs without VNNI: the int8 kernels saturate u8 x s8 pair sums to int16; prepare() measures this and then
 quantizes weights to 7 bits, which keeps every product exact (see _kernels.py; QConfig.weight_bits overrides it).
 
+Bad inputs (docs/quantization_bad_inputs.md): a NaN/inf in a calibration batch raises naming the op and the batch
+(the batch is rolled back); scales outside [2**-42, 2**42] are refused by load_qconf_summary, save_qconf_summary
+and convert() alike; a zero calibrated range warns; convs take unbatched inputs; a NaN/inf input gives NaN outputs.
+
 Dynamic shapes: the eager int8 model takes any batch size or sequence length; nothing is specialised to a shape
 (benchmarks/bench_int8.py times the first call at a new shape: within noise of the steady time here). A traced
 model keeps the shapes its Python code computed from sizes (a reshape to (batch, seq, heads, dim)), as any trace

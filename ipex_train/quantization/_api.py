@@ -1,6 +1,8 @@
 """prepare() and convert(): the two entry points, and the PreparedModel calibration wrapper."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -27,24 +29,39 @@ class PreparedModel(nn.Module):
     def forward(self, *args, **kwargs):
         if self._converted:
             raise RuntimeError("this prepared model was converted in place; calibrate a new prepare() result")
-        with Recorder(self._graph, observe=True, discover=False):
-            out = self.model(*args, **kwargs)
+        before = self._graph.snapshot()
+        try:
+            with Recorder(self._graph, observe=True, discover=False, batch=self.calibration_batches + 1):
+                out = self.model(*args, **kwargs)
+        except BaseException:
+            self._graph.restore(before)  # a batch that raised (a non-finite value, the model's own error) counts
+            raise                        # for nothing: the user can skip it and go on
         self.calibration_batches += 1
         return out
 
     def qconf_summary(self) -> list[dict]:
         """The summary convert() will use: the loaded one, else one built from the observers (RuntimeError before
-        any calibration batch)."""
+        any calibration batch). Warns (UserWarning) naming the ops whose calibrated range is a single value, such
+        as all-zero calibration inputs: their scale is a floor value and every other value saturates."""
         if self._loaded is not None:
             return self._loaded
         if self.calibration_batches == 0:
             raise RuntimeError("no calibration batch has run through this prepared model: call it on calibration "
                                "data (or load_qconf_summary(path)) before convert() or save_qconf_summary()")
+        flat = self._graph.zero_ranges()
+        if flat:
+            warnings.warn("ipex_train.quantization: calibration saw a single value (a zero range) at "
+                          f"{', '.join(flat)}; the scale there is a floor value and any other value will saturate. "
+                          "Calibrate on representative data, or set inputs_quantized to false for these ops in "
+                          "the qconf summary to keep them fp32", UserWarning, stacklevel=2)
         return [_summary.entry(op, self.qconfig, self.weight_bits) for op in self._graph.ops]
 
     def save_qconf_summary(self, qconf_summary) -> None:
-        """Write the calibration result to the JSON file ``qconf_summary`` (IPEX's name)."""
-        _summary.save(self.qconf_summary(), qconf_summary)
+        """Write the calibration result to the JSON file ``qconf_summary`` (IPEX's name). ValueError, and no
+        file written, where the result is one load_qconf_summary would refuse (a scale out of range)."""
+        summary = self.qconf_summary()
+        _summary.validate(summary, self._graph.ops, "save_qconf_summary")
+        _summary.save(summary, qconf_summary)
 
     def load_qconf_summary(self, qconf_summary) -> None:
         """Read a JSON summary saved by save_qconf_summary (possibly edited); convert() then uses it instead of the
@@ -131,6 +148,9 @@ def convert(prepared, inplace=False) -> QuantizedModel:
     post_op is "relu"); int8 residual adds run quantized::add/add_relu; everything else stays fp32. ``inplace``
     reuses the prepared model's module tree (the prepared model cannot be used afterwards); by default it is
     copied. The result traces and freezes (torch.jit.trace + torch.jit.freeze) for torch.jit.save.
+
+    The summary passes the same check as load_qconf_summary (ValueError naming the op and key, nothing changed),
+    so a calibration that produced a scale the int8 kernels cannot use is refused here, not turned into NaNs.
     """
     if isinstance(prepared, QuantizedModel):
         raise TypeError("convert(): prepared is already converted (a QuantizedModel); convert the PreparedModel "
@@ -146,6 +166,7 @@ def convert(prepared, inplace=False) -> QuantizedModel:
         raise ValueError("convert(): the prepared model is in training mode; call .eval() on it")
     summary = prepared.qconf_summary()
     graph = prepared._graph
+    _summary.validate(summary, graph.ops, "convert()")
     if inplace:
         model = prepared.model
     else:
@@ -182,6 +203,7 @@ def convert(prepared, inplace=False) -> QuantizedModel:
 
 
 _CHANNELS_LAST = {"conv2d": torch.channels_last, "conv3d": torch.channels_last_3d}
+_BATCHED_RANK = {"conv1d": 3, "conv2d": 4, "conv3d": 5}
 
 
 def _unsupported(m: nn.Module) -> str | None:
@@ -211,7 +233,7 @@ def _int8_layer(op, m: nn.Module, e: dict) -> Int8Layer:
     q.set_weight_bias(_quantize_weight(m.weight, e), None if m.bias is None else m.bias.detach().float())
     q.scale, q.zero_point = float(e["output_scales"][0]), int(e["output_zero_points"][0])
     return Int8Layer(op.name, q, float(e["input_scales"][0]), int(e["input_zero_points"][0]),
-                     e["outputs_quantized"][0], relu, _CHANNELS_LAST.get(op.kind))
+                     e["outputs_quantized"][0], relu, _CHANNELS_LAST.get(op.kind), _BATCHED_RANK.get(op.kind))
 
 
 def _quantize_weight(weight: torch.Tensor, e: dict) -> torch.Tensor:

@@ -73,6 +73,25 @@ class Op:
         self.out_obs, self.relu_obs = qconfig.activation_observer(), qconfig.activation_observer()
         self.inputs_flow = [None] * self.n_inputs
 
+    def summary_observers(self) -> list[tuple[str, object]]:
+        """(label, observer) of what the summary entry's scales come from: each input, then the output (after
+        the fused relu when there is one)."""
+        out = ("output after its fused relu", self.relu_obs) if self.relu_fusable else ("output", self.out_obs)
+        return [(f"input {k}", o) for k, o in enumerate(self.in_obs)] + [out]
+
+    def state(self):
+        """What a calibration batch changes in this op, copied (see Graph.snapshot)."""
+        observers = [self.out_obs, self.relu_obs, *self.in_obs]
+        return (self.calls, self.relu_fusable, self.mutated_in_place,
+                [{k: b.clone() for k, b in o.named_buffers()} for o in observers])
+
+    def restore(self, state) -> None:
+        """Put back what state() copied."""
+        self.calls, self.relu_fusable, self.mutated_in_place, buffers = state
+        for o, saved in zip([self.out_obs, self.relu_obs, *self.in_obs], buffers):
+            for k, b in saved.items():
+                setattr(o, k, b)
+
 
 @dataclass(eq=False)
 class _Tag:
@@ -116,6 +135,21 @@ class Graph:
         for i, op in enumerate(ordered):
             op.id = i
         self.ops = ordered
+
+    def snapshot(self) -> list:
+        """The calibration state of every op (observers, call counts, fusion checks), for restore()."""
+        return [op.state() for op in self.ops]
+
+    def restore(self, snapshot: list) -> None:
+        """Undo the calibration batches run since snapshot() (a batch that raised must change nothing)."""
+        for op, state in zip(self.ops, snapshot):
+            op.restore(state)
+
+    def zero_ranges(self) -> list[str]:
+        """The observed tensors whose calibrated range is a single value (all-zero inputs, a constant channel):
+        their scale falls back to the observer's floor and every other value saturates."""
+        return [f"{op.name} ({op.kind}) {label}" for op in self.ops if op.calls
+                for label, obs in op.summary_observers() if bool(obs.min_val == obs.max_val)]
 
     def remove_hooks(self, model: nn.Module) -> None:
         """Take this graph's hooks off ``model`` (the prepared model or a deep copy of it)."""
@@ -161,9 +195,9 @@ class Recorder(TorchFunctionMode):
         """The recorder of the prepared-model forward running in this thread, or None."""
         return getattr(Recorder._local, "current", None)
 
-    def __init__(self, graph: Graph, observe: bool, discover: bool):
+    def __init__(self, graph: Graph, observe: bool, discover: bool, batch: int = 0):
         super().__init__()
-        self.graph, self.observe, self.discover = graph, observe, discover
+        self.graph, self.observe, self.discover, self.batch = graph, observe, discover, batch
         self.flow = WeakIdKeyDictionary()
         self.raw: list[_Tag] = []
         self.seen: list[Op] = []
@@ -187,19 +221,28 @@ class Recorder(TorchFunctionMode):
         if self.discover and op not in self.seen:
             self.seen.append(op)
 
-    def _observe(self, obs, t) -> None:
+    def _observe(self, obs, t, op: Op, label: str) -> None:
         if self.observe and _float(t):
+            finite = torch.isfinite(t)
+            if not bool(finite.all()):
+                nan = int(torch.isnan(t).sum())
+                raise ValueError(
+                    f"ipex_train.quantization: calibration batch {self.batch} (after {self.batch - 1} accepted): "
+                    f"{label} of op {op.name!r} "
+                    f"({op.kind}) holds {nan} NaN and {int(finite.numel() - finite.sum()) - nan} infinite values; "
+                    "a scale needs finite values. The batch was not recorded (the prepared model is as before "
+                    "it): leave it out or clean it, then go on calibrating")
             obs(t.detach())
 
     def module_input(self, op: Op, x) -> None:
-        self._observe(op.in_obs[0], x)
+        self._observe(op.in_obs[0], x, op, "input 0")
         if self.discover:
             tag = self.flow.get(x)
             op.inputs_flow[0] = f"{tag.op.name}.output0" if tag is not None else None
 
     def module_output(self, op: Op, out) -> None:
         self._ran(op)
-        self._observe(op.out_obs, out)
+        self._observe(op.out_obs, out, op, "output")
         tag = _Tag(op, [])
         self.flow[out] = tag
         self.raw.append(tag)
@@ -223,7 +266,7 @@ class Recorder(TorchFunctionMode):
         result = func(*args, **kwargs)
         if first is not None and isinstance(result, torch.Tensor):
             if name in RELU and first.consumers is not None:
-                self._observe(first.op.relu_obs, result)
+                self._observe(first.op.relu_obs, result, first.op, "output after its fused relu")
             if name in RELU or name in TRANSPARENT:
                 self.flow[result] = _Tag(first.op)
         return result
@@ -241,10 +284,10 @@ class Recorder(TorchFunctionMode):
         return op
 
     def _add(self, op: Op, func, args, target: _Tag | None):
-        for obs, t in zip(op.in_obs, args):
-            self._observe(obs, t)
+        for k, (obs, t) in enumerate(zip(op.in_obs, args)):
+            self._observe(obs, t, op, f"input {k}")
         result = func(*args)
         if target is not None:
-            self._observe(target.op.out_obs, result)
+            self._observe(target.op.out_obs, result, target.op, "output (with the in-place add into it)")
         self.module_output(op, result)
         return result

@@ -39,9 +39,9 @@ class Int8Layer(nn.Module):
     """A Conv/Linear replaced by torch's quantized module (its relu fused when post_op is "relu")."""
 
     def __init__(self, name: str, qmodule: nn.Module, in_scale: float, in_zero_point: int, out_quantized: bool,
-                 relu: bool, memory_format: torch.memory_format | None):
+                 relu: bool, memory_format: torch.memory_format | None, rank: int | None):
         super().__init__()
-        self.op_name, self.q = name, qmodule
+        self.op_name, self.q, self.rank = name, qmodule, rank  # rank: a conv's batched input rank
         self.in_scale, self.in_zero_point = in_scale, in_zero_point
         self.out_quantized, self.relu, self.memory_format = out_quantized, relu, memory_format
         # The quantized module's own kernel (quantized::conv2d_relu, quantized::linear, ...), called directly: its
@@ -50,13 +50,24 @@ class Int8Layer(nn.Module):
 
     def forward(self, x):
         with torch._C.DisableTorchFunction():  # the runtime mode must not dequantize this layer's own int8 calls
+            # nn.ConvNd also takes an unbatched (C, ...) input; torch's quantized conv kernels take batched ones only
+            unbatched = self.rank is not None and x.dim() == self.rank - 1
+            if self.rank is not None and not unbatched and x.dim() != self.rank:
+                raise ValueError(
+                    f"int8 Conv{self.rank - 2}d {self.op_name!r}: input of shape {tuple(x.shape)}; accepted are "
+                    f"{self.rank}-D batched (N, C, ...) and {self.rank - 1}-D unbatched (C, ...) inputs, as for "
+                    f"torch.nn.Conv{self.rank - 2}d")
             if not x.is_quantized:
                 x = Runtime.quantize(x, self.in_scale, self.in_zero_point)
+            if unbatched:
+                x = x.unsqueeze(0)
             if self.memory_format is not None and not x.is_contiguous(memory_format=self.memory_format):
                 x = x.contiguous(memory_format=self.memory_format)  # channels-last: oneDNN's fast int8 layout
             q = self.q
             y = self._kernel(x, q._packed_params._packed_params if self._linear else q._packed_params, q.scale,
                              q.zero_point)
+            if unbatched:
+                y = y.squeeze(0)
             if not self.out_quantized:
                 return y.dequantize()
         Runtime.tag(y, self.op_name, self.relu)
@@ -95,6 +106,12 @@ def _dequantize(x):
     return x.dequantize() if isinstance(x, torch.Tensor) and x.is_quantized else x
 
 
+def _adding(zero_or_nan):
+    def apply(x):
+        return x + zero_or_nan if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+    return apply
+
+
 class Runtime(TorchFunctionMode):
     """The mode of one QuantizedModel forward. ``calls`` (a Counter), when given, counts the fp32 calls by name."""
 
@@ -108,6 +125,13 @@ class Runtime(TorchFunctionMode):
         # small layer at batch 1; a stale id (tensor freed, id reused) fails the identity check.
         self._flow: dict[int, tuple] = {}
         self.last = None  # (fp32 tensor, its version, scale, zero point, int8 tensor) of the last quantization
+        # The sum of every tensor quantized in this forward (None before any): non-finite when one held NaN or
+        # +-inf, which quantizing would clamp to finite codes. QuantizedModel adds sums - sums (0, or NaN) to its
+        # outputs, so they are NaN as fp32's would have been. One cheap reduction per quantized tensor
+        # (isfinite().any() cost 10-20x more here); tensor ops, not a Python branch: no synchronisation, and a
+        # trace records it. A sum of finite values reaches float32's 3.4e38 only for values far past what any
+        # accepted scale represents (255 * 2**42), which saturate.
+        self.sums = None
 
     def __enter__(self):
         self.outer, Runtime._local.current = Runtime.active(), self
@@ -132,6 +156,8 @@ class Runtime(TorchFunctionMode):
         q = torch.quantize_per_tensor(x, scale, zero_point, torch.quint8)
         if rt is not None:
             rt.last = (x, *key, q)
+            total = x.sum()
+            rt.sums = total if rt.sums is None else rt.sums.add_(total)
         return q
 
     @staticmethod
@@ -196,7 +222,9 @@ class Runtime(TorchFunctionMode):
 
 class QuantizedModel(nn.Module):
     """The int8 model convert() returns: ``model`` is the converted module tree; call this wrapper, which runs it
-    under the runtime mode and hands back fp32 outputs."""
+    under the runtime mode and hands back fp32 outputs. A call whose fp32 values entering int8 (the inputs, or
+    the results of fp32 ops between int8 layers) hold a NaN or an infinity returns NaN in every floating output
+    element: int8 codes cannot hold them, and a finite answer would hide the bad input."""
 
     def __init__(self, model: nn.Module, adds: dict[tuple, AddPlan], summary: list[dict], fp32: list[str]):
         super().__init__()
@@ -204,9 +232,11 @@ class QuantizedModel(nn.Module):
         self._adds, self._summary, self._fp32 = adds, summary, fp32
 
     def forward(self, *args, **kwargs):
-        with Runtime(self._adds):
+        runtime = Runtime(self._adds)
+        with runtime:
             out = self.model(*args, **kwargs)
-        return tree_map(_dequantize, out)
+        out = tree_map(_dequantize, out)
+        return out if runtime.sums is None else tree_map(_adding(runtime.sums - runtime.sums), out)
 
     def qconf_summary(self) -> list[dict]:
         """The qconf summary this model was converted from (what save_qconf_summary wrote or would write)."""

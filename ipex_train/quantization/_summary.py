@@ -18,11 +18,16 @@ into its first input at that input's scale.
 from __future__ import annotations
 
 import json
-import math
 
 ACT_DTYPE = "uint8"
 WEIGHT_RANGES = ([-128, 127], [-64, 63])
 _STRUCTURE = ("id", "name", "type", "inputs_flow", "outputs_flow")
+# The accepted scales. The int8 kernels work in float32 on products of up to three scales: the requantization
+# multiplier input_scale * weight_scale / output_scale and the bias scale input_scale * weight_scale. Keeping every
+# scale within 2**+-42 keeps those products within 2**+-126, the normal float32 range, so no combination of
+# accepted scales underflows to zero or a denormal, or overflows. Calibration gives scales of at least 2**-23
+# (torch's observers floor them at float32 eps); 2**42 lets activations reach 255 * 2**42 (about 1e15).
+SCALE_MIN, SCALE_MAX = 2.0 ** -42, 2.0 ** 42
 
 
 def entry(op, qconfig, bits: int) -> dict:
@@ -75,19 +80,26 @@ def load(path, ops) -> list[dict]:
     if not isinstance(data, list):
         raise ValueError(f"load_qconf_summary: {path} must hold a JSON list of op entries, got "
                          f"{type(data).__name__}")
-    for i, op in enumerate(ops):
-        if i >= len(data):
-            raise ValueError(f"load_qconf_summary: {path} has {len(data)} ops, this model has {len(ops)}; the "
-                             f"first missing one is op {i} ({op.name!r})")
-        _check(data[i], op, i)
-    if len(data) > len(ops):
-        raise ValueError(f"load_qconf_summary: {path} has {len(data)} ops, this model has {len(ops)}; op "
-                         f"{len(ops)} ({data[len(ops)].get('name')!r}) is not in the model")
+    validate(data, ops, f"load_qconf_summary: {path}")
     return data
 
 
-def _check(e, op, i) -> None:
-    where = f"load_qconf_summary: op {i} ({op.name!r})"
+def validate(summary: list, ops, caller: str) -> None:
+    """Check a summary against the model's ops: the one check that load_qconf_summary, save_qconf_summary and
+    convert() share, so a summary one of them accepts is accepted by all. ValueError naming ``caller``, the op and
+    the key of the first problem, and what would be accepted."""
+    for i, op in enumerate(ops):
+        if i >= len(summary):
+            raise ValueError(f"{caller} has {len(summary)} ops, this model has {len(ops)}; the first missing one "
+                             f"is op {i} ({op.name!r})")
+        _check(summary[i], op, i, caller)
+    if len(summary) > len(ops):
+        raise ValueError(f"{caller} has {len(summary)} ops, this model has {len(ops)}; op {len(ops)} "
+                         f"({summary[len(ops)].get('name')!r}) is not in the model")
+
+
+def _check(e, op, i, caller) -> None:
+    where = f"{caller}: op {i} ({op.name!r})"
     if not isinstance(e, dict):
         raise ValueError(f"{where}: entry must be a JSON object, got {type(e).__name__}")
     want = {"id": i, "name": op.name, "type": op.kind, "inputs_flow": list(op.inputs_flow),
@@ -142,8 +154,8 @@ def _dtype(v):
 
 
 def _scale(v):
-    """a positive finite number"""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    """a positive number in [2**-42, 2**42] (about 2.3e-13 to 4.4e12)"""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and SCALE_MIN <= v <= SCALE_MAX
 
 
 def _zero_point(v):
