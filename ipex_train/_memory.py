@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
+from . import _record
 from .optim import _fused, _registry, _state_formats
 
 
@@ -92,7 +93,6 @@ class MemoryReport:
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
     """The bytes per parameter of training ``model`` with ``optimizer`` as configured (pass what
     ipex_train.optimize() returned; a plain model and torch optimizer work too). See :class:`MemoryReport`."""
-    from .frontend import _ATTR as MASTERS_ATTR  # here: frontend imports the summary, which imports this
     from .optim._wrapper import TrainingOptimizer, user_class
 
     if not isinstance(model, nn.Module):
@@ -101,7 +101,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise TypeError(f"memory_report(): optimizer must be a torch.optim.Optimizer or None, got "
                         f"{type(optimizer).__name__}")
     params = list(model.parameters())
-    masters = getattr(model, MASTERS_ATTR, None)
+    masters = _record.masters(model)
     aux = masters.aux if masters is not None else {}
     release = isinstance(optimizer, TrainingOptimizer) and optimizer.step_in_backward
     trained = [p for p in params if p.requires_grad]

@@ -6,6 +6,7 @@ import warnings
 import torch
 from torch import nn
 
+from .._record import copy_model
 from . import _summary
 from ._graph import Graph, Recorder
 from ._kernels import engine_scope, weight_bits
@@ -120,9 +121,7 @@ def prepare(model, qconfig=default_static_qconfig, example_inputs=None, inplace=
         raise ValueError("prepare(): the model must be fp32 (calibrate the fp32 model, not a bf16 one)")
     bits = weight_bits(qconfig.weight_bits)
     if not inplace:
-        from ..frontend import _copy_model
-
-        model, _ = _copy_model(model)
+        model, _ = copy_model(model)
     from ..inference import fold_conv_bn, fold_linear_bn, replace_dropout
 
     sample = example_inputs if not isinstance(example_inputs, list) else tuple(example_inputs)
@@ -170,9 +169,7 @@ def convert(prepared, inplace=False) -> QuantizedModel:
     if inplace:
         model = prepared.model
     else:
-        from ..frontend import _copy_model
-
-        model, _ = _copy_model(prepared.model)
+        model, _ = copy_model(prepared.model)
     layers, adds, fp32 = {}, {}, []
     with engine_scope(), torch.no_grad():
         for op, e in zip(graph.ops, summary):
