@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _record
+from ._training_optimizer import TrainingOptimizer, user_class
 from .optim import _fused, _registry, _state_formats
 
 
@@ -93,7 +94,6 @@ class MemoryReport:
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
     """The bytes per parameter of training ``model`` with ``optimizer`` as configured (pass what
     ipex_train.optimize() returned; a plain model and torch optimizer work too). See :class:`MemoryReport`."""
-    from .optim._wrapper import TrainingOptimizer, user_class
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"memory_report(): model must be a torch.nn.Module, got {type(model).__name__}")

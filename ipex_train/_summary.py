@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import _record
+from ._training_optimizer import TrainingOptimizer, fused_entry, step_backend, user_class
 from ._master_weights import LOW_PRECISION, matmul_units, owners
 from ._memory import memory_report
 
@@ -137,7 +138,6 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     Works on any model; for one optimize() did not return, it describes the model as it is.
     """
     from . import compute_policy
-    from .optim._wrapper import TrainingOptimizer, user_class
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"summary(): model must be a torch.nn.Module, got {type(model).__name__}")
@@ -167,12 +167,10 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
             g[2].update(type(m).__name__ for m in mods)
     kept = tuple(KeptFp32(r, n, e, tuple(sorted(mods))) for r, (n, e, mods) in
                  sorted(groups.items(), key=lambda item: -item[1][1]))
-    handle = compute_policy._attached.get(model)
+    handle = compute_policy.attached(model)
     training = optimizer is not None or masters is not None
-    fused, sycl = None, False
-    if isinstance(optimizer, TrainingOptimizer):
-        fused = optimizer._fused_kind if optimizer._ipex_fuse else None
-        sycl = optimizer._ipex_sycl is not None
+    entry = fused_entry(optimizer) if optimizer is not None else None
+    fused, sycl = (entry.name if entry is not None else None), step_backend(optimizer) is not None
     return OptimizeSummary(
         mode="training" if training else "inference",
         dtype=str(low).replace("torch.", "") if low is not None else None,

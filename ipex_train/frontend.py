@@ -37,9 +37,9 @@ from . import _channels_last, _record, _summary
 from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_parameters, register_input_casts,
                               set_memory_format)
 from .config import OptimizeConfig
-from .optim import _release
+from . import _step_in_backward
+from ._training_optimizer import TrainingOptimizer, has_fused_step, training_optimizer, user_class
 from .optim import _state_formats
-from .optim._wrapper import TrainingOptimizer, fused_kind, training_optimizer, user_class
 
 _log = logging.getLogger("ipex_train")
 
@@ -100,7 +100,7 @@ def _validate(model, optimizer, dtype) -> None:
 def _check_release(optimizer) -> None:
     if optimizer is None:
         raise ValueError("optimize(): step_in_backward=True needs an optimizer (it is a training option)")
-    _release.check_supported(user_class(optimizer))
+    _step_in_backward.check_supported(user_class(optimizer))
 
 
 def _step_backend(sycl: bool | None, training: bool):
@@ -124,7 +124,7 @@ def _check_state_dtype(state_dtype, optimizer, flags: Flags) -> None:
     if wanted == {None}:
         return
     name = f"optimize(): optimizer_state_dtype={state_dtype!r} (or a param group's state_dtype)"
-    if not flags.fuse_update_step or fused_kind(user_class(optimizer)) is None:
+    if not flags.fuse_update_step or not has_fused_step(user_class(optimizer)):
         raise ValueError(f"{name} needs the fused step: SGD, Adam, AdamW, Adagrad, Lamb or Lars with "
                          "fuse_update_step left on")
 
@@ -313,7 +313,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
     if backend is not None:
         backend.place_params(masters, model.parameters())
     cls = user_class(optimizer)
-    fuse = flags.fuse_update_step and fused_kind(cls) is not None
+    fuse = flags.fuse_update_step and has_fused_step(cls)
     if flags.fuse_update_step and not fuse:
         _log.info("ipex_train.optimize: %s has no fused step; it runs its own step on fp32 values of the "
                   "low-precision parameters (slower than SGD/Adam/AdamW/Adagrad/Lamb/Lars)", cls.__name__)

@@ -79,7 +79,7 @@ def check_against_reference(kind, name, overrides, layout, fmt, step_fn=_fused.f
                               sf.convert(t.float(), p, sf.wanted(group, p), spec.signed), p)
                     for p, t in zip(params, ref_state[spec.key])]
         w_before = [w.clone() for w in w_ref]
-        step_fn(op_kind(kind), group, state, params, aux, grads)
+        step_fn(_registry.get(op_kind(kind)), group, state, params, aux, grads)
         reference_step(op_kind(kind), group, w_ref, [g.float() for g in grads], ref_state)
         for i, p in enumerate(params):
             if kind == "lamb" and p.numel() >= sf.MIN_NUMEL:
@@ -136,7 +136,7 @@ def test_variants_bit_identical(kind, fmt):
             gen = torch.Generator().manual_seed(2)
             for _ in range(3):
                 grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
-                _fused.fused_step(kind, g, state, params, aux, grads)
+                _fused.fused_step(_registry.get(kind), g, state, params, aux, grads)
             results[v] = [t.view(torch.uint8) if t.dtype != torch.uint8 else t
                           for p, a in zip(params, aux) for t in [p, a, *state[p].values()] if t.dim() > 0]
     finally:

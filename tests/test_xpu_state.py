@@ -80,7 +80,7 @@ def test_sycl_matches_cpu_kernels(queue, kind, name, overrides, layout, fmt):
     cpu_state, dev_state = collections.defaultdict(dict), collections.defaultdict(dict)
     for _ in range(3):
         grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p, _ in cpu]
-        _fused.fused_step(op_kind(kind), cpu_group, cpu_state, *map(list, zip(*cpu)), grads)
+        _fused.fused_step(_registry.get(op_kind(kind)), cpu_group, cpu_state, *map(list, zip(*cpu)), grads)
         sx.fused_step(op_kind(kind), dev_group, dev_state, *map(list, zip(*dev)),
                       [sx.to_usm(g, queue) for g in grads], queue)
     assert dev_group[sf.ROUNDS_KEY] == cpu_group[sf.ROUNDS_KEY] == 3

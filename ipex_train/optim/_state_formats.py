@@ -73,6 +73,11 @@ def packed_bytes(numel: int) -> int:
     return 4 * _blocks(numel) + numel
 
 
+@torch.library.register_fake("ipex_train::q8_encode")
+def _q8_encode_fake(x: Tensor, signed: bool) -> Tensor:
+    return x.new_empty(packed_bytes(x.numel()), dtype=torch.int8 if signed else torch.uint8)
+
+
 def fits(t: Tensor, p: Tensor) -> bool:
     """Whether ``t`` is reduced-byte state of the right dtype and shape for the float32-based parameter ``p``."""
     if t.dtype == torch.bfloat16:

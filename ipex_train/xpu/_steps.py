@@ -53,10 +53,10 @@ def _to_usm_state(entry: FusedOptimizer, state: MutableMapping[Tensor, dict], pa
                 lists[spec.key][i] = moved
 
 
-def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, dict], params: Sequence[Tensor],
+def fused_step(kind: str | FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict], params: Sequence[Tensor],
                aux: Sequence[Tensor | None], grads: Sequence[Tensor], queue=None) -> None:
     """One step of optimizer ``kind`` (a name of :mod:`ipex_train.optim._registry`: "sgd", "adam", "adagrad",
-    "lamb", "lars") for one parameter group, run by the SYCL kernels on ``queue`` (a dpctl.SyclQueue; default
+    "lamb", "lars", or its registry entry) for one parameter group, run by the SYCL kernels on ``queue`` (a dpctl.SyclQueue; default
     :func:`default_queue`).
 
     Arguments mirror :func:`ipex_train.optim._fused.fused_step`: hyper-parameters come from ``group`` with
@@ -67,8 +67,8 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
     (:func:`to_usm`, :func:`module_to_usm`, :func:`usm_grads`); other memory is refused with ValueError. Torch XPU
     tensors (a torch build with XPU) run on torch's current SYCL queue instead.
     """
-    op = f"ipex_train.xpu.fused_step({kind!r})"
-    entry = _registry.get(kind)
+    entry = kind if isinstance(kind, FusedOptimizer) else _registry.get(kind)
+    op = f"ipex_train.xpu.fused_step({entry.name!r})"
     params, aux, grads = list(params), list(aux), list(grads)
     if not params:
         return
