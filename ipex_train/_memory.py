@@ -25,9 +25,7 @@ def state_bytes_per_element(p: Tensor, group: dict) -> float:
     fmt = _state_formats.wanted(group, p)
     if fmt is None:
         return _fused.state_dtype(p).itemsize
-    if fmt == "int8":
-        return _state_formats.packed_bytes(p.numel()) / p.numel()
-    return fmt.itemsize
+    return _state_formats.bytes_per_element(fmt, p.numel())
 
 
 def _nbytes(t: Tensor) -> int:

@@ -91,7 +91,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._ipex_release is not None:
-            self._ipex_step_in_backward.close_step(p for g in self.param_groups for p in g["params"])
+            self._ipex_release.close_step(p for g in self.param_groups for p in g["params"])
         else:
             with torch.no_grad():
                 unfused = []
@@ -139,7 +139,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
             _step_in_backward.check_supported(self._user_class)
             self._ipex_release = _step_in_backward.GradientRelease(self)
         elif not enabled and self._ipex_release is not None:
-            self._ipex_step_in_backward.remove()
+            self._ipex_release.remove()
             self._ipex_release = None
 
     def _unfused_step(self, params: list[Tensor]) -> None:
@@ -190,7 +190,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         if self._ipex_sycl is not None:
             self._ipex_sycl.place_params(self._ipex_masters, params)
         if self._ipex_release is not None:
-            self._ipex_step_in_backward.add_group(self.param_groups[-1])
+            self._ipex_release.add_group(self.param_groups[-1])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, keeping the optimizer state fp32 and the param group dicts the same objects."""

@@ -135,7 +135,7 @@ def test_layouts_of_every_storage():
 _CHILD = textwrap.dedent("""
     import collections, json, sys, torch
     import ipex_train
-    from ipex_train.optim import _fused
+    from ipex_train.optim import _fused, _registry
     ops = torch.ops.ipex_train
     f32 = lambda n=2: [torch.zeros(4) for _ in range(n)]
     def adam(params, aux, grads, m, v, steps):
