@@ -87,7 +87,8 @@ def run(args) -> dict:
         steps[f"adamw_split_bf16{state_name}_sycl_cpu_device_ms"] = functools.partial(
             sx.fused_step, "adam", dict(group), collections.defaultdict(dict), [top_dev], [res_dev], [gb_dev], q)
         steps[f"adamw_split_bf16{state_name}_kernels_cpu_ms"] = functools.partial(
-            _fused.fused_step, _registry.get("adam"), dict(group), collections.defaultdict(dict), [top.clone()], [res.clone()], [gb])
+            _fused.fused_step, _registry.get("adam"), dict(group), collections.defaultdict(dict), [top.clone()],
+            [res.clone()], [gb])
     results.update(_time_interleaved(steps, warmup, iters))
 
     dev = q.sycl_device

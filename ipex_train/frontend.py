@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from . import _channels_last, _record, _summary
 from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_parameters, register_input_casts,

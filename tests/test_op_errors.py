@@ -104,7 +104,8 @@ def test_fused_step_refuses_before_cpp(case, no_kernels):
 
 def test_good_call_reaches_the_kernel(no_kernels):
     with pytest.raises(AssertionError, match="ipex_train::adam_step was called"):
-        _fused.fused_step(_registry.get("adam"), dict(ADAM), collections.defaultdict(dict), _f32(), [None, None], _f32())
+        _fused.fused_step(_registry.get("adam"), dict(ADAM), collections.defaultdict(dict), _f32(), [None, None],
+                          _f32())
 
 
 @pytest.mark.parametrize("steps,match", [
@@ -152,9 +153,10 @@ _CHILD = textwrap.dedent("""
         "adam_exp_avg_sqs": lambda: adam(f32(), [None, None], f32(), f32(), f32(1), one),
         "adam_steps": lambda: adam(f32(), [None, None], f32(), f32(), f32(), one[:1]),
         "adam_step_zero": lambda: adam(f32(1), [None], f32(1), f32(1), f32(1), [torch.tensor(0.0)]),
-        "fused_grads": lambda: _fused.fused_step(_registry.get("sgd"), dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0,
-                                                  nesterov=False, maximize=False), collections.defaultdict(dict),
-                                                  f32(), [None, None], f32(1)),
+        "fused_grads": lambda: _fused.fused_step(_registry.get("sgd"), dict(lr=0.1, momentum=0.9, dampening=0.0,
+                                                                            weight_decay=0.0, nesterov=False,
+                                                                            maximize=False),
+                                                 collections.defaultdict(dict), f32(), [None, None], f32(1)),
     }
     out = {}
     for name, call in calls.items():

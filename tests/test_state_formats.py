@@ -166,7 +166,8 @@ def test_int8_encode_decode_encode_is_exact(signed):
     assert float(err[big].max()) < 0.15
 
 
-@pytest.mark.parametrize("fmt,signed", [(sf.StateFormat.BF16, True), (sf.StateFormat.INT8, True), (sf.StateFormat.INT8, False)])
+@pytest.mark.parametrize("fmt,signed", [(sf.StateFormat.BF16, True), (sf.StateFormat.INT8, True),
+                                        (sf.StateFormat.INT8, False)])
 def test_fresh_zero_state_is_the_encoding_of_zeros(fmt, signed):
     # Fresh state is made in its format directly (no fp32 temporaries at the first step); it must be what encoding
     # fp32 zeros gives, bit for bit.

@@ -20,6 +20,7 @@ from ._checks import check_step_args
 from . import _registry, _state_formats
 from ._registry import FusedOptimizer
 
+
 def check_against_kernels() -> None:
     """Raise ImportError unless the registry and the C++ kernels describe the same optimizers and arguments."""
     # The registry and the C++ list (kernels_cpu/src/optimizers.h) must name the same optimizers, and each entry's
@@ -33,7 +34,6 @@ def check_against_kernels() -> None:
         schema = [a.name for a in kernel(o).default._schema.arguments]
         if schema != expected:
             raise ImportError(f"ipex_train: {o.op_name} takes {schema}; its registry entry describes {expected}")
-
 
 
 def kernel(entry: FusedOptimizer):
@@ -60,9 +60,14 @@ def _bump_steps(states: list[dict]) -> list[Tensor]:
     return steps
 
 
-def entry_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
+def state_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
                 params: Sequence[Tensor]) -> dict[str, list]:
-    """:func:`state_lists` for a registry entry."""
+    """The per-parameter state of ``params`` for registry entry ``entry``, as lists keyed by torch.optim's state
+    names, creating what is missing (zeros, or ``initial_accumulator_value`` for Adagrad) and incrementing the
+    ``step`` counters for this step.
+
+    For SGD, ``fresh`` marks momentum buffers created now (torch starts those from the grad itself).
+    """
     states = [state[p] for p in params]
     lists: dict[str, list] = {}
     for spec in entry.state:
@@ -87,20 +92,10 @@ def entry_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapp
     return lists
 
 
-def state_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
-                params: Sequence[Tensor]) -> dict[str, list]:
-    """The per-parameter state of ``params`` as lists keyed by torch.optim's state names, creating what is missing
-    (zeros, or ``initial_accumulator_value`` for Adagrad) and incrementing the ``step`` counters for this step.
-
-    For SGD, ``fresh`` marks momentum buffers created now (torch starts those from the grad itself).
-    """
-    return entry_lists(entry, group, state, params)
-
-
 def store_state_formats(entry: FusedOptimizer, param_groups: list[dict[str, Any]],
                         state: MutableMapping[Tensor, dict]) -> None:
-    """Re-encode the existing state of the optimizer of registry entry ``entry`` in each group's ``state_dtype`` (after a load: the
-    checkpoint holds fp32)."""
+    """Re-encode the existing state of the optimizer of registry entry ``entry`` in each group's ``state_dtype``
+    (after a load: the checkpoint holds fp32)."""
     for group in param_groups:
         for p in group["params"]:
             st = state.get(p)
@@ -111,7 +106,7 @@ def store_state_formats(entry: FusedOptimizer, param_groups: list[dict[str, Any]
 
 
 def kernel_lists(entry: FusedOptimizer, lists: dict[str, list]) -> list[list]:
-    """The list arguments after params, aux and grads, in kernel order, from :func:`entry_lists`' result."""
+    """The list arguments after params, aux and grads, in kernel order, from :func:`state_lists`' result."""
     out = [lists[s.key] for s in entry.state]
     if entry.fresh_flags:
         out.append(lists["fresh"])
@@ -120,10 +115,10 @@ def kernel_lists(entry: FusedOptimizer, lists: dict[str, list]) -> list[list]:
     return out
 
 
-def fused_step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict], params: Sequence[Tensor],
-               aux: Sequence[Tensor | None], grads: Sequence[Tensor]) -> None:
-    """Apply one step of the optimizer of registry entry ``entry`` to ``params`` (those of ``group`` that have grads) in
-    one kernel call.
+def fused_step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
+               params: Sequence[Tensor], aux: Sequence[Tensor | None], grads: Sequence[Tensor]) -> None:
+    """Apply one step of the optimizer of registry entry ``entry`` to ``params`` (those of ``group`` that have
+    grads) in one kernel call.
 
     ``state`` is the optimizer's per-parameter state mapping; missing entries are created here. Hyper-parameters
     are read from ``group`` with torch.optim's key names.
@@ -140,7 +135,7 @@ def fused_step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMappi
         for idx in (plain, rest):
             fused_step(entry, group, state, [params[i] for i in idx], [aux[i] for i in idx], [grads[i] for i in idx])
         return
-    found = entry_lists(entry, group, state, params)
+    found = state_lists(entry, group, state, params)
     check_step_args(entry.op_name, params, aux, grads, {s.arg: found[s.key] for s in entry.state if found[s.key]},
                     found.get("step"))
     kernel(entry)(params, aux, grads, *kernel_lists(entry, found), *entry.kernel_args(group),
