@@ -160,7 +160,7 @@ class OurStep:
         self.state = defaultdict(dict)
 
     def __call__(self) -> None:
-        _fused.fused_step(self.kind, self.group, self.state, self.params, self.aux, self.grads)
+        _fused.fused_step(_registry.get(self.kind), self.group, self.state, self.params, self.aux, self.grads)
 
 
 class TorchStep:

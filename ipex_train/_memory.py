@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
+from . import _record
+from ._training_optimizer import TrainingOptimizer, user_class
 from .optim import _fused, _registry, _state_formats
 
 
@@ -23,9 +25,7 @@ def state_bytes_per_element(p: Tensor, group: dict) -> float:
     fmt = _state_formats.wanted(group, p)
     if fmt is None:
         return _fused.state_dtype(p).itemsize
-    if fmt == "int8":
-        return _state_formats.packed_bytes(p.numel()) / p.numel()
-    return fmt.itemsize
+    return _state_formats.bytes_per_element(fmt, p.numel())
 
 
 def _nbytes(t: Tensor) -> int:
@@ -92,8 +92,6 @@ class MemoryReport:
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
     """The bytes per parameter of training ``model`` with ``optimizer`` as configured (pass what
     ipex_train.optimize() returned; a plain model and torch optimizer work too). See :class:`MemoryReport`."""
-    from .frontend import _ATTR as MASTERS_ATTR  # here: frontend imports the summary, which imports this
-    from .optim._wrapper import TrainingOptimizer, user_class
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"memory_report(): model must be a torch.nn.Module, got {type(model).__name__}")
@@ -101,7 +99,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         raise TypeError(f"memory_report(): optimizer must be a torch.optim.Optimizer or None, got "
                         f"{type(optimizer).__name__}")
     params = list(model.parameters())
-    masters = getattr(model, MASTERS_ATTR, None)
+    masters = _record.masters(model)
     aux = masters.aux if masters is not None else {}
     release = isinstance(optimizer, TrainingOptimizer) and optimizer.step_in_backward
     trained = [p for p in params if p.requires_grad]

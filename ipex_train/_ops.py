@@ -86,12 +86,6 @@ def _register_fakes() -> None:
     def _combine_fake(top, residual):
         return torch.empty_like(top, dtype=torch.float32)
 
-    @torch.library.register_fake("ipex_train::q8_encode")
-    def _q8_encode_fake(x, signed):
-        from .optim._state_formats import packed_bytes  # not at import: optim imports this module
-
-        return x.new_empty(packed_bytes(x.numel()), dtype=torch.int8 if signed else torch.uint8)
-
 
 _register_fakes()
 
@@ -107,7 +101,8 @@ def split_bf16(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def q8_encode(x: torch.Tensor, signed: bool) -> torch.Tensor:
     """The packed int8 optimizer state of a 1-D fp32 tensor as the current kernel variant's steps store it (fp32
-    block scales, then int8 codes if ``signed``, else uint8): what ``optim._state_formats.encode`` gives, bit for bit.
+    block scales, then int8 codes if ``signed``, else uint8): what ``optim._state_formats.encode`` gives, bit for bit
+    (its fake, for tracing, is registered there: that module owns the packed size).
     """
     return ops.q8_encode(x, signed)
 

@@ -13,13 +13,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from . import _record
+from ._training_optimizer import TrainingOptimizer, fused_entry, step_backend, user_class
 from ._master_weights import LOW_PRECISION, matmul_units, owners
 from ._memory import memory_report
 
 _log = logging.getLogger("ipex_train")
-
-# The dtype optimize() was asked for, kept on the returned model (copied with it, ignored by state_dict and tracing).
-_ATTR = "_ipex_train_dtype"
 
 NOT_REQUESTED = "no low-precision dtype requested"
 NORM = "normalisation layer"
@@ -139,19 +138,17 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     Works on any model; for one optimize() did not return, it describes the model as it is.
     """
     from . import compute_policy
-    from .frontend import _ATTR as MASTERS_ATTR  # here: frontend imports this module
-    from .optim._wrapper import TrainingOptimizer, user_class
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"summary(): model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"summary(): optimizer must be a torch.optim.Optimizer or None, got "
                         f"{type(optimizer).__name__}")
-    masters = getattr(model, MASTERS_ATTR, None)
+    masters = _record.masters(model)
     found = owners(model)
     low_dtypes = {p.dtype for p in found if p.dtype in LOW_PRECISION}
-    if hasattr(model, _ATTR):
-        low = getattr(model, _ATTR)
+    if _record.has_dtype(model):
+        low = _record.dtype(model)
     elif masters is not None:
         low = masters.dtype
     else:
@@ -170,12 +167,10 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
             g[2].update(type(m).__name__ for m in mods)
     kept = tuple(KeptFp32(r, n, e, tuple(sorted(mods))) for r, (n, e, mods) in
                  sorted(groups.items(), key=lambda item: -item[1][1]))
-    handle = compute_policy._attached.get(model)
+    handle = compute_policy.attached(model)
     training = optimizer is not None or masters is not None
-    fused, sycl = None, False
-    if isinstance(optimizer, TrainingOptimizer):
-        fused = optimizer._fused_kind if optimizer._ipex_fuse else None
-        sycl = optimizer._ipex_sycl is not None
+    entry = fused_entry(optimizer) if optimizer is not None else None
+    fused, sycl = (entry.name if entry is not None else None), step_backend(optimizer) is not None
     return OptimizeSummary(
         mode="training" if training else "inference",
         dtype=str(low).replace("torch.", "") if low is not None else None,
@@ -192,7 +187,7 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
 def record(model: nn.Module, optimizer: torch.optim.Optimizer | None, dtype: torch.dtype | None) -> None:
     """optimize()'s last step: remember the dtype asked for and log the summary line at INFO (and, in training,
     the memory line of :func:`ipex_train.memory_report`)."""
-    setattr(model, _ATTR, dtype if dtype in LOW_PRECISION else None)
+    _record.set_dtype(model, dtype if dtype in LOW_PRECISION else None)
     if _log.isEnabledFor(logging.INFO):
         _log.info("%s", summary(model, optimizer))
         if optimizer is not None:

@@ -83,7 +83,8 @@ class OptimizeConfig:
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
         object.__setattr__(self, "optimizer_state_dtype",
-                           _state_formats.parse(self.optimizer_state_dtype, f"{_WHERE}: optimizer_state_dtype"))
+                           _state_formats.public(_state_formats.parse(self.optimizer_state_dtype,
+                                                                      f"{_WHERE}: optimizer_state_dtype")))
         if self.level not in LEVELS:
             raise ValueError(f"{_WHERE}: level must be 'O0' or 'O1', got {self.level!r}")
         for name in FLAGS:
@@ -165,5 +166,5 @@ def _parse(name: str, value: Any, where: str) -> Any:
     if name == "bf16_compute":
         return _options.parse_choice(value, BF16_COMPUTE, where)
     if name == "optimizer_state_dtype":
-        return _state_formats.parse(value, where)
+        return _state_formats.public(_state_formats.parse(value, where))
     return _options.parse_bool(value, where)

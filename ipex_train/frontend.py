@@ -26,26 +26,22 @@ same checkpoint): DDP's initial broadcast syncs the bf16 tops, not the residuals
 """
 from __future__ import annotations
 
-import copy
 import logging
 import sys
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from . import _channels_last, _summary
+from . import _channels_last, _record, _summary
 from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_parameters, register_input_casts,
                               set_memory_format)
 from .config import OptimizeConfig
-from .optim import _release
+from . import _step_in_backward
+from ._training_optimizer import TrainingOptimizer, has_fused_step, training_optimizer, user_class
 from .optim import _state_formats
-from .optim._wrapper import TrainingOptimizer, fused_kind, training_optimizer, user_class
 
 _log = logging.getLogger("ipex_train")
-
-_ATTR = "_ipex_train_masters"  # the MasterWeights of an optimized model, also how a second optimize() sees it
-
 
 @dataclass(frozen=True)
 class Flags:
@@ -85,7 +81,7 @@ def _validate(model, optimizer, dtype) -> None:
     if devices and devices != {torch.device("cpu")}:
         raise ValueError(f"optimize(): the model is on {devices.pop()}; ipex_train trains on the CPU, call "
                          "model.to('cpu') first")
-    masters = getattr(model, _ATTR, None)
+    masters = _record.masters(model)
     if masters is not None and dtype is not None and (dtype if dtype in LOW_PRECISION else None) != masters.dtype:
         raise ValueError(f"optimize(): the model was already optimized with dtype={masters.dtype}; pass that dtype "
                          "(or None), or start again from the fp32 model")
@@ -104,7 +100,7 @@ def _validate(model, optimizer, dtype) -> None:
 def _check_release(optimizer) -> None:
     if optimizer is None:
         raise ValueError("optimize(): step_in_backward=True needs an optimizer (it is a training option)")
-    _release.check_supported(user_class(optimizer))
+    _step_in_backward.check_supported(user_class(optimizer))
 
 
 def _step_backend(sycl: bool | None, training: bool):
@@ -128,7 +124,7 @@ def _check_state_dtype(state_dtype, optimizer, flags: Flags) -> None:
     if wanted == {None}:
         return
     name = f"optimize(): optimizer_state_dtype={state_dtype!r} (or a param group's state_dtype)"
-    if not flags.fuse_update_step or fused_kind(user_class(optimizer)) is None:
+    if not flags.fuse_update_step or not has_fused_step(user_class(optimizer)):
         raise ValueError(f"{name} needs the fused step: SGD, Adam, AdamW, Adagrad, Lamb or Lars with "
                          "fuse_update_step left on")
 
@@ -139,20 +135,6 @@ def _set_state_dtype(optimizer: TrainingOptimizer, state_dtype) -> None:
     for group in optimizer.param_groups:
         group.setdefault(_state_formats.GROUP_KEY, state_dtype)
     optimizer.defaults.setdefault(_state_formats.GROUP_KEY, state_dtype)  # for add_param_group
-
-
-def _copy_model(model: nn.Module) -> tuple[nn.Module, dict[int, object]]:
-    """deepcopy of ``model`` and its memo. Non-leaf tensors stored on modules (cached activations) cannot be
-    deep-copied; the copy shares them instead."""
-    memo: dict[int, object] = {}
-    for m in model.modules():
-        for value in vars(m).values():
-            if isinstance(value, dict):
-                value = list(value.values())
-            for t in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(t, Tensor) and not t.is_leaf:
-                    memo[id(t)] = t
-    return copy.deepcopy(model, memo), memo
 
 
 def _convert(model: nn.Module, dtype: torch.dtype | None, flags: Flags, keep_fp32_truth: bool) -> MasterWeights:
@@ -292,7 +274,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
 
         jit.onednn_fusion_enabled()  # raises for a bad IPEX_TRAIN_ONEDNN_FUSION before anything changes
         if not inplace:
-            model, _ = _copy_model(model)
+            model, _ = _record.copy_model(model)
         _inference_passes(model, flags, sample_input)
         _convert(model, dtype, flags, keep_fp32_truth=False)
         _register_casts_and_policy(model, dtype, bf16_compute)
@@ -314,16 +296,16 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
     param_map = None
     if not inplace:
         originals = [p for g in optimizer.param_groups for p in g["params"]]
-        model, memo = _copy_model(model)
+        model, memo = _record.copy_model(model)
         param_map = {p: memo[id(p)] for p in originals}
-    masters = getattr(model, _ATTR, None)
+    masters = _record.masters(model)
     if masters is None:
         masters = _convert(model, dtype, flags, keep_fp32_truth=True)
         for p in model.parameters():
             masters.adopt(p)
         masters.register_hooks(model)
         _register_casts_and_policy(model, dtype, bf16_compute)
-        setattr(model, _ATTR, masters)
+        _record.set_masters(model, masters)
         if "transformers" in sys.modules:  # only then can the model be one of its PreTrainedModels
             from .integrations.transformers import keep_fp32_checkpoints
 
@@ -331,7 +313,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
     if backend is not None:
         backend.place_params(masters, model.parameters())
     cls = user_class(optimizer)
-    fuse = flags.fuse_update_step and fused_kind(cls) is not None
+    fuse = flags.fuse_update_step and has_fused_step(cls)
     if flags.fuse_update_step and not fuse:
         _log.info("ipex_train.optimize: %s has no fused step; it runs its own step on fp32 values of the "
                   "low-precision parameters (slower than SGD/Adam/AdamW/Adagrad/Lamb/Lars)", cls.__name__)

@@ -176,7 +176,7 @@ class Run:
     def step(self, grads: list[torch.Tensor]) -> None:
         """One kernel step with ``grads`` rounded to the layout's grad dtype; the reference gets them upcast."""
         kgrads = [g.to(GRAD_DTYPE[self.layout]) for g in grads]
-        _fused.fused_step(self.kind, self.group, self.state, self.params, self.aux, kgrads)
+        _fused.fused_step(_registry.get(self.kind), self.group, self.state, self.params, self.aux, kgrads)
         reference_step(self.kind, self.group, self.ref_params, [g.to(work_dtype(self.layout)) for g in kgrads],
                        self.ref_state)
 
@@ -494,7 +494,7 @@ def test_fp32_matches_torch_optim(case, variant):
         for p, g in zip(theirs, grads):
             p.grad = g.clone()
         torch_opt.step()
-        _fused.fused_step(kind, holder.param_groups[0], holder.state, ours, [None] * len(ours), grads)
+        _fused.fused_step(_registry.get(kind), holder.param_groups[0], holder.state, ours, [None] * len(ours), grads)
     # Relative 1e-6, plus an absolute 1e-6 for results that are small differences of O(1) terms (a momentum buffer
     # or a param near zero): torch's kernels fuse multiply-adds and ours do not, so such results carry a few ulps
     # of the O(1) operands (~1e-7 each), which is large relative to the result itself.
@@ -530,7 +530,7 @@ def test_split_bf16_training_tracks_fp32(variant):
         top.grad = None
         ((xb @ top - yb).float() ** 2).mean().backward()
         with torch.no_grad():
-            _fused.fused_step("adam", group, state, [top], [res], [top.grad])
+            _fused.fused_step(_registry.get("adam"), group, state, [top], [res], [top.grad])
     w_split = _ops.combine_bf16(top.detach(), res)
     loss0 = float(((x @ w0 - y) ** 2).mean())
     loss32 = float(((x @ w32.detach() - y) ** 2).mean())

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ipex_train.optim import _checks, _layouts
-from ipex_train.optim import _fused
+from ipex_train.optim import _fused, _registry
 
 SGD = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
 ADAM = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
@@ -92,7 +92,7 @@ def _fused_args(kind, make):
         state = _state_with(kind, params, step=torch.tensor(-1.0))
     else:
         state = collections.defaultdict(dict)
-    return kind, dict(group), state, params, aux, grads
+    return _registry.get(kind), dict(group), state, params, aux, grads
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -104,7 +104,8 @@ def test_fused_step_refuses_before_cpp(case, no_kernels):
 
 def test_good_call_reaches_the_kernel(no_kernels):
     with pytest.raises(AssertionError, match="ipex_train::adam_step was called"):
-        _fused.fused_step("adam", dict(ADAM), collections.defaultdict(dict), _f32(), [None, None], _f32())
+        _fused.fused_step(_registry.get("adam"), dict(ADAM), collections.defaultdict(dict), _f32(), [None, None],
+                          _f32())
 
 
 @pytest.mark.parametrize("steps,match", [
@@ -135,7 +136,7 @@ def test_layouts_of_every_storage():
 _CHILD = textwrap.dedent("""
     import collections, json, sys, torch
     import ipex_train
-    from ipex_train.optim import _fused
+    from ipex_train.optim import _fused, _registry
     ops = torch.ops.ipex_train
     f32 = lambda n=2: [torch.zeros(4) for _ in range(n)]
     def adam(params, aux, grads, m, v, steps):
@@ -152,9 +153,10 @@ _CHILD = textwrap.dedent("""
         "adam_exp_avg_sqs": lambda: adam(f32(), [None, None], f32(), f32(), f32(1), one),
         "adam_steps": lambda: adam(f32(), [None, None], f32(), f32(), f32(), one[:1]),
         "adam_step_zero": lambda: adam(f32(1), [None], f32(1), f32(1), f32(1), [torch.tensor(0.0)]),
-        "fused_grads": lambda: _fused.fused_step("sgd", dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0,
-                                                  nesterov=False, maximize=False), collections.defaultdict(dict),
-                                                  f32(), [None, None], f32(1)),
+        "fused_grads": lambda: _fused.fused_step(_registry.get("sgd"), dict(lr=0.1, momentum=0.9, dampening=0.0,
+                                                                            weight_decay=0.0, nesterov=False,
+                                                                            maximize=False),
+                                                 collections.defaultdict(dict), f32(), [None, None], f32(1)),
     }
     out = {}
     for name, call in calls.items():

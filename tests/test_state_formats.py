@@ -79,7 +79,7 @@ def check_against_reference(kind, name, overrides, layout, fmt, step_fn=_fused.f
                               sf.convert(t.float(), p, sf.wanted(group, p), spec.signed), p)
                     for p, t in zip(params, ref_state[spec.key])]
         w_before = [w.clone() for w in w_ref]
-        step_fn(op_kind(kind), group, state, params, aux, grads)
+        step_fn(_registry.get(op_kind(kind)), group, state, params, aux, grads)
         reference_step(op_kind(kind), group, w_ref, [g.float() for g in grads], ref_state)
         for i, p in enumerate(params):
             if kind == "lamb" and p.numel() >= sf.MIN_NUMEL:
@@ -108,7 +108,7 @@ def check_against_reference(kind, name, overrides, layout, fmt, step_fn=_fused.f
                     assert _bf16_neighbours_hold(got.float(), ref), (spec.key, i)
                 else:
                     assert got.dtype == (torch.int8 if spec.signed else torch.uint8)
-                    want = sf.encode(ref, p, "int8", spec.signed)
+                    want = sf.encode(ref, p, sf.StateFormat.INT8, spec.signed)
                     nb = 4 * -(-p.numel() // sf.Q8_BLOCK)
                     torch.testing.assert_close(got[:nb].view(torch.float32), want[:nb].view(torch.float32),
                                                rtol=1e-5, atol=1e-30)
@@ -136,7 +136,7 @@ def test_variants_bit_identical(kind, fmt):
             gen = torch.Generator().manual_seed(2)
             for _ in range(3):
                 grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
-                _fused.fused_step(kind, g, state, params, aux, grads)
+                _fused.fused_step(_registry.get(kind), g, state, params, aux, grads)
             results[v] = [t.view(torch.uint8) if t.dtype != torch.uint8 else t
                           for p, a in zip(params, aux) for t in [p, a, *state[p].values()] if t.dim() > 0]
     finally:
@@ -155,9 +155,9 @@ def test_int8_encode_decode_encode_is_exact(signed):
     if not signed:
         x = x.abs()
     p = torch.empty(100, 100)
-    q = sf.encode(x.view(100, 100), p, "int8", signed)
+    q = sf.encode(x.view(100, 100), p, sf.StateFormat.INT8, signed)
     back = sf.decode(q, p)
-    assert torch.equal(sf.encode(back, p, "int8", signed), q)
+    assert torch.equal(sf.encode(back, p, sf.StateFormat.INT8, signed), q)
     # The map's resolution: within half a code step of the fourth-power grid around each value.
     scale = back.view(-1)[256:512].abs().max()
     assert float(scale) == float(x[256:512].abs().max())
@@ -166,7 +166,8 @@ def test_int8_encode_decode_encode_is_exact(signed):
     assert float(err[big].max()) < 0.15
 
 
-@pytest.mark.parametrize("fmt,signed", [(torch.bfloat16, True), ("int8", True), ("int8", False)])
+@pytest.mark.parametrize("fmt,signed", [(sf.StateFormat.BF16, True), (sf.StateFormat.INT8, True),
+                                        (sf.StateFormat.INT8, False)])
 def test_fresh_zero_state_is_the_encoding_of_zeros(fmt, signed):
     # Fresh state is made in its format directly (no fp32 temporaries at the first step); it must be what encoding
     # fp32 zeros gives, bit for bit.
@@ -181,7 +182,7 @@ def test_kernel_int8_state_reencodes_to_the_same_codes():
     # A step with lr=0 and grads of zero from momentum=1 state leaves momentum unchanged: the kernel must store
     # exactly the codes it read (its encode(decode(q)) == q).
     p = torch.randn(10_000)
-    buf = sf.encode(torch.randn(10_000) * torch.logspace(-6, 2, 10_000), p, "int8", True)
+    buf = sf.encode(torch.randn(10_000) * torch.logspace(-6, 2, 10_000), p, sf.StateFormat.INT8, True)
     before = buf.clone()
     F.sgd([p], [torch.zeros_like(p)], [buf], lr=0.0, momentum=1.0)
     assert torch.equal(buf, before)
@@ -199,12 +200,12 @@ def test_kernel_int8_encode_matches_python_bits(signed):
     g[300] = -0.0
     g[2 * sf.Q8_BLOCK + 5] = float("nan")  # a NaN block
     g[3 * sf.Q8_BLOCK + 9] = float("inf")  # an Inf block
-    want = sf.encode(g if signed else g * g, torch.empty(n), "int8", signed)
+    want = sf.encode(g if signed else g * g, torch.empty(n), sf.StateFormat.INT8, signed)
     before = _ops.kernel_variant()
     try:
         for v in _ops.supported_kernel_variants():
             _ops.set_kernel_variant(v)
-            p, state = torch.zeros(n), sf.encode(torch.zeros(n), torch.empty(n), "int8", signed)
+            p, state = torch.zeros(n), sf.encode(torch.zeros(n), torch.empty(n), sf.StateFormat.INT8, signed)
             if signed:
                 F.sgd([p], [g], [state], lr=0.0, momentum=0.5)
             else:
@@ -230,7 +231,7 @@ def _q8_boundaries(signed: bool) -> torch.Tensor:
     for _ in range(31):
         mid = lo + (hi - lo) // 2
         x = _in_unit_blocks(mid.view(torch.float32))
-        codes = sf.encode(x, x, "int8", signed)[4 * (x.numel() // sf.Q8_BLOCK):]
+        codes = sf.encode(x, x, sf.StateFormat.INT8, signed)[4 * (x.numel() // sf.Q8_BLOCK):]
         got = codes.view(-1, sf.Q8_BLOCK)[:, 1:].reshape(-1)[:top].long()
         hi, lo = torch.where(got >= k, mid, hi), torch.where(got >= k, lo, mid + 1)
     assert torch.equal(lo, hi)
@@ -250,7 +251,7 @@ def test_kernel_int8_codes_match_python_bits_near_every_code_boundary(signed):
     x = _in_unit_blocks(r)
     if signed:
         x = torch.where(torch.rand(x.shape, generator=gen) < 0.5, -x, x)
-    want = sf.encode(x, x, "int8", signed)
+    want = sf.encode(x, x, sf.StateFormat.INT8, signed)
     before = _ops.kernel_variant()
     try:
         for v in _ops.supported_kernel_variants():
@@ -328,7 +329,7 @@ def test_state_dict_is_fp32_and_round_trips_exactly(fmt, dtype):
                                      optimizer_state_dtype=FORMATS[fmt])
     _train(model, opt)
     big = model[0].weight  # 8192 elements: reduced; the biases keep fp32 state
-    assert sf.format_of(opt.state[big]["exp_avg"]) == FORMATS[fmt]
+    assert sf.public(sf.format_of(opt.state[big]["exp_avg"])) == FORMATS[fmt]
     assert opt.state[model[0].bias]["exp_avg"].dtype == torch.float32
     sd = opt.state_dict()
     for entry in sd["state"].values():

@@ -270,7 +270,7 @@ def test_reduced_state_with_split_bf16(name, state_dtype):
 def test_norm_query_without_clipping_is_allowed(caplog):
     # clip_grad_norm_ with max_norm=inf clips nothing (trainers log grad_norm this way): it runs, sees no grads,
     # and says once that the norm it returns is not the gradient's.
-    from ipex_train.optim import _release
+    from ipex_train import _step_in_backward as _release
 
     model = make_model()
     model, opt = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), step_in_backward=True)

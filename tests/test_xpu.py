@@ -23,7 +23,7 @@ import torch
 
 import ipex_train
 import ipex_train.xpu as sx
-from ipex_train.optim import _fused, _reference
+from ipex_train.optim import _fused, _registry, _reference
 
 if not sx.is_available():
     pytest.skip(f"no SYCL device for kernels_xpu: {sx.unavailable_reason()}", allow_module_level=True)
@@ -142,7 +142,7 @@ def test_step_matches_cpu_kernels_and_reference(queue, kind, cfg_index, layout):
     cpu_state, dev_state, ref_state = collections.defaultdict(dict), collections.defaultdict(dict), {}
     for step in range(1, STEPS + 1):
         gs = _grads(cpu, gen)
-        _fused.fused_step(kind, group, cpu_state, [p.param for p in cpu], [p.aux for p in cpu], gs)
+        _fused.fused_step(_registry.get(kind), group, cpu_state, [p.param for p in cpu], [p.aux for p in cpu], gs)
         sx.fused_step(kind, group, dev_state, [p.param for p in dev], [p.aux for p in dev],
                       [sx.to_usm(g, queue) for g in gs], queue)
         _reference_step(kind, cfg, ws, [g.to(ws[0].dtype) for g in gs], ref_state, step)
@@ -218,7 +218,7 @@ def test_training_run_matches_cpu_path(queue, opt_cls, kind):
             loss.backward()
             for group in opt.param_groups:
                 ps = [p for p in group["params"] if p.grad is not None]
-                args = (kind, group, opt.state, ps, [None] * len(ps), [p.grad for p in ps])
+                args = (_registry.get(kind), group, opt.state, ps, [None] * len(ps), [p.grad for p in ps])
                 if use_sycl:
                     sx.fused_step(*args, queue)
                 else:
@@ -304,6 +304,6 @@ def test_torch_xpu_tensors_match_cpu_kernels():
     gen = torch.Generator().manual_seed(3)
     p, g = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
     cp, xp = p.clone(), p.to("xpu")
-    _fused.fused_step("adam", cfg, collections.defaultdict(dict), [cp], [None], [g])
+    _fused.fused_step(_registry.get("adam"), cfg, collections.defaultdict(dict), [cp], [None], [g])
     sx.fused_step("adam", cfg, collections.defaultdict(dict), [xp], [None], [g.to("xpu")])
     torch.testing.assert_close(xp.cpu(), cp, rtol=1e-6, atol=1e-6)

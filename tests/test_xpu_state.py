@@ -80,7 +80,7 @@ def test_sycl_matches_cpu_kernels(queue, kind, name, overrides, layout, fmt):
     cpu_state, dev_state = collections.defaultdict(dict), collections.defaultdict(dict)
     for _ in range(3):
         grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p, _ in cpu]
-        _fused.fused_step(op_kind(kind), cpu_group, cpu_state, *map(list, zip(*cpu)), grads)
+        _fused.fused_step(_registry.get(op_kind(kind)), cpu_group, cpu_state, *map(list, zip(*cpu)), grads)
         sx.fused_step(op_kind(kind), dev_group, dev_state, *map(list, zip(*dev)),
                       [sx.to_usm(g, queue) for g in grads], queue)
     assert dev_group[sf.ROUNDS_KEY] == cpu_group[sf.ROUNDS_KEY] == 3
@@ -107,7 +107,7 @@ def test_sycl_matches_cpu_kernels(queue, kind, name, overrides, layout, fmt):
             assert d.dtype == c.dtype and d.shape == c.shape, (spec.key, i)
             assert sx.usm_kind(d, queue) == "shared", f"{spec.key}[{i}] is not in USM"
             if cp.numel() >= sf.MIN_NUMEL:
-                assert sf.format_of(d) == FORMATS[fmt], (spec.key, i)
+                assert sf.public(sf.format_of(d)) == FORMATS[fmt], (spec.key, i)
             if kind == "lars" and sf.format_of(d) is not None:
                 assert _within_one_code(d, c, cp), (spec.key, i)
             elif kind == "lars":
@@ -129,7 +129,7 @@ def test_sycl_matches_reference(queue, kind, name, overrides, fmt):
 def test_int8_state_codes_survive_a_step_that_changes_nothing(queue):
     # lr 0, zero grads, momentum 1: the kernel must store exactly the codes and scales it read.
     p = sx.to_usm(torch.randn(10_000), queue)
-    buf = sx.to_usm(sf.encode(torch.randn(10_000) * torch.logspace(-6, 2, 10_000), p, "int8", True), queue)
+    buf = sx.to_usm(sf.encode(torch.randn(10_000) * torch.logspace(-6, 2, 10_000), p, sf.StateFormat.INT8, True), queue)
     before = buf.clone()
     group = dict(lr=0.0, momentum=1.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
                  state_dtype="int8")
@@ -182,7 +182,7 @@ def test_optimize_sycl_reduced_state_matches_cpu_and_round_trips(queue, opt_name
     _same(model, opt, ref_model, ref_opt)
     state_tensors = [t for st in opt.state.values() for k, t in st.items() if k != "step"]
     assert all(sx.usm_kind(t, queue) == "shared" for t in state_tensors)
-    assert {sf.format_of(t) for t in state_tensors} == {None, FORMATS[fmt]}  # the biases keep fp32 state
+    assert {sf.public(sf.format_of(t)) for t in state_tensors} == {None, FORMATS[fmt]}  # the biases keep fp32 state
 
     sd = opt.state_dict()
     assert all(t.dtype == torch.float32 for st in sd["state"].values() for k, t in st.items() if k != "step")

@@ -260,6 +260,11 @@ def slow_bf16_depthwise(module: torch.nn.Module) -> bool:
             and (max(module.stride) > 1 or max(module.kernel_size) > 3))
 
 
+def attached(model: torch.nn.Module) -> ComputePolicyHandle | None:
+    """The handle of the compute policy attached to ``model`` (by :func:`attach`), or None."""
+    return _attached.get(model)
+
+
 def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     """Apply ``policy`` ("native" or "emulated", see :func:`resolve`) to ``model``'s forward.
 

@@ -19,7 +19,7 @@ import sys
 import torch
 from torch import nn
 
-from ..frontend import _ATTR
+from .. import _record
 
 
 def keep_fp32_checkpoints(model: nn.Module) -> None:
@@ -33,7 +33,7 @@ def keep_fp32_checkpoints(model: nn.Module) -> None:
 def _saved_dtype(model: nn.Module) -> torch.dtype:
     # What PreTrainedModel.dtype reads (the first floating-point parameter), as the state_dict holds it.
     p = next(p for p in model.parameters() if p.is_floating_point())
-    return torch.float32 if p in getattr(model, _ATTR).aux else p.dtype
+    return torch.float32 if p in _record.masters(model).aux else p.dtype
 
 
 @functools.cache

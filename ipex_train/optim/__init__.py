@@ -3,5 +3,8 @@ fused update used by ipex_train.optimize()."""
 from . import functional
 from .lamb import Lamb
 from .lars import Lars
+from . import _fused
+
+_fused.check_against_kernels()  # after Lamb and Lars have registered their entries
 
 __all__ = ["Lamb", "Lars", "functional"]

@@ -7,6 +7,8 @@ import torch
 from torch import Tensor
 
 from .._options import OptionTypeError
+from . import _fused, _state_formats
+from ._registry import FusedOptimizer
 
 
 def check_nonneg(name: str, value: Any) -> None:
@@ -38,15 +40,13 @@ def can_fuse(params: list[Tensor]) -> bool:
 class FusableOptimizer(torch.optim.Optimizer):
     """A torch.optim.Optimizer whose step runs either the fused C++ kernel or the plain PyTorch reference.
 
-    Subclasses set ``KIND`` (their name in :mod:`._registry`) and define
+    Subclasses set ``FUSED`` (their entry, registered with :func:`._registry.register`) and define
     ``_reference_step(group, params, grads, state_lists)``, which runs their rule from ``_reference``.
     """
 
-    KIND = ""
+    FUSED: FusedOptimizer | None = None
 
     def __init__(self, params, defaults: dict[str, Any], fused: bool | None, state_dtype=None):
-        from . import _state_formats
-
         if fused is not None and not isinstance(fused, bool):
             raise OptionTypeError(f"fused must be None, True or False, got {fused!r}")
         _state_formats.parse(state_dtype, "state_dtype")
@@ -57,14 +57,10 @@ class FusableOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict, with reduced-byte state (``state_dtype``) as fp32 tensors."""
-        from . import _state_formats
-
         return _state_formats.fp32_state_dict(self, super().state_dict())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group as torch does; its ``state_dtype`` key, when it has one, must be a valid format."""
-        from . import _state_formats
-
         if isinstance(param_group, dict):
             _state_formats.parse(param_group.get(_state_formats.GROUP_KEY),
                                  f"{type(self).__name__}: param group key {_state_formats.GROUP_KEY!r}")
@@ -73,16 +69,12 @@ class FusableOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, then store the state in each group's own ``state_dtype`` (the one this optimizer
         was created with, not the checkpoint's: see :func:`._state_formats.restore_settings`)."""
-        from . import _fused, _state_formats
-
         settings = _state_formats.own_settings(self.param_groups)
         super().load_state_dict(state_dict)
         _state_formats.restore_settings(self.param_groups, settings)
-        _fused.store_state_formats(self.KIND, self.param_groups, self.state)
+        _fused.store_state_formats(self.FUSED, self.param_groups, self.state)
 
     def _use_fused(self, group: dict[str, Any], params: list[Tensor]) -> bool:
-        from . import _state_formats
-
         fused = group.get("fused")
         if _state_formats.parse(group.get(_state_formats.GROUP_KEY), "state_dtype") is not None:
             if fused is False or not can_fuse(params):
@@ -103,8 +95,6 @@ class FusableOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
-        from . import _fused  # here: the registry, which _fused reads, imports the subclasses
-
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -115,7 +105,7 @@ class FusableOptimizer(torch.optim.Optimizer):
                 continue
             grads = [p.grad for p in params]
             if self._use_fused(group, params):
-                _fused.fused_step(self.KIND, group, self.state, params, [None] * len(params), grads)
+                _fused.fused_step(self.FUSED, group, self.state, params, [None] * len(params), grads)
             else:
-                self._reference_step(group, params, grads, _fused.state_lists(self.KIND, group, self.state, params))
+                self._reference_step(group, params, grads, _fused.state_lists(self.FUSED, group, self.state, params))
         return loss

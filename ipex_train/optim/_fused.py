@@ -20,24 +20,25 @@ from ._checks import check_step_args
 from . import _registry, _state_formats
 from ._registry import FusedOptimizer
 
-KINDS = _registry.NAMES
 
-
-def _check_against_kernels() -> None:
+def check_against_kernels() -> None:
+    """Raise ImportError unless the registry and the C++ kernels describe the same optimizers and arguments."""
     # The registry and the C++ list (kernels_cpu/src/optimizers.h) must name the same optimizers, and each entry's
     # lists and scalars must be its op's arguments in order: a new optimizer added on one side only fails here.
-    if set(optimizer_names()) != set(KINDS):
+    if set(optimizer_names()) != set(_registry.NAMES):
         raise ImportError(f"ipex_train: the C++ kernels have optimizers {optimizer_names()} but the registry "
-                          f"(ipex_train/optim/_registry.py) has {KINDS}; rebuild the extension")
+                          f"(ipex_train/optim/_registry.py) has {_registry.NAMES}; rebuild the extension")
     for o in _registry.OPTIMIZERS:
         expected = ["params", "aux", "grads", *(s.arg for s in o.state), *(["fresh_buffers"] * o.fresh_flags),
                     *(["state_steps"] * o.counts_steps), *(h.arg for h in o.hyperparameters), "state_key"]
-        schema = [a.name for a in getattr(ops, f"{o.name}_step").default._schema.arguments]
+        schema = [a.name for a in kernel(o).default._schema.arguments]
         if schema != expected:
             raise ImportError(f"ipex_train: {o.op_name} takes {schema}; its registry entry describes {expected}")
 
 
-_check_against_kernels()
+def kernel(entry: FusedOptimizer):
+    """The CPU op (``torch.ops.ipex_train.<name>_step``) of registry entry ``entry``."""
+    return getattr(ops, f"{entry.name}_step")
 
 
 def state_dtype(p: Tensor) -> torch.dtype:
@@ -59,9 +60,14 @@ def _bump_steps(states: list[dict]) -> list[Tensor]:
     return steps
 
 
-def entry_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
+def state_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
                 params: Sequence[Tensor]) -> dict[str, list]:
-    """:func:`state_lists` for a registry entry."""
+    """The per-parameter state of ``params`` for registry entry ``entry``, as lists keyed by torch.optim's state
+    names, creating what is missing (zeros, or ``initial_accumulator_value`` for Adagrad) and incrementing the
+    ``step`` counters for this step.
+
+    For SGD, ``fresh`` marks momentum buffers created now (torch starts those from the grad itself).
+    """
     states = [state[p] for p in params]
     lists: dict[str, list] = {}
     for spec in entry.state:
@@ -86,20 +92,10 @@ def entry_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapp
     return lists
 
 
-def state_lists(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, dict],
-                params: Sequence[Tensor]) -> dict[str, list]:
-    """The per-parameter state of ``params`` as lists keyed by torch.optim's state names, creating what is missing
-    (zeros, or ``initial_accumulator_value`` for Adagrad) and incrementing the ``step`` counters for this step.
-
-    For SGD, ``fresh`` marks momentum buffers created now (torch starts those from the grad itself).
-    """
-    return entry_lists(_registry.get(kind), group, state, params)
-
-
-def store_state_formats(kind: str, param_groups: list[dict[str, Any]], state: MutableMapping[Tensor, dict]) -> None:
-    """Re-encode the existing state of optimizer ``kind`` in each group's ``state_dtype`` (after a load: the
-    checkpoint holds fp32)."""
-    entry = _registry.get(kind)
+def store_state_formats(entry: FusedOptimizer, param_groups: list[dict[str, Any]],
+                        state: MutableMapping[Tensor, dict]) -> None:
+    """Re-encode the existing state of the optimizer of registry entry ``entry`` in each group's ``state_dtype``
+    (after a load: the checkpoint holds fp32)."""
     for group in param_groups:
         for p in group["params"]:
             st = state.get(p)
@@ -110,7 +106,7 @@ def store_state_formats(kind: str, param_groups: list[dict[str, Any]], state: Mu
 
 
 def kernel_lists(entry: FusedOptimizer, lists: dict[str, list]) -> list[list]:
-    """The list arguments after params, aux and grads, in kernel order, from :func:`entry_lists`' result."""
+    """The list arguments after params, aux and grads, in kernel order, from :func:`state_lists`' result."""
     out = [lists[s.key] for s in entry.state]
     if entry.fresh_flags:
         out.append(lists["fresh"])
@@ -119,15 +115,14 @@ def kernel_lists(entry: FusedOptimizer, lists: dict[str, list]) -> list[list]:
     return out
 
 
-def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, dict], params: Sequence[Tensor],
-               aux: Sequence[Tensor | None], grads: Sequence[Tensor]) -> None:
-    """Apply one step of optimizer ``kind`` (a registry name) to ``params`` (those of ``group`` that have grads) in
-    one kernel call.
+def fused_step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
+               params: Sequence[Tensor], aux: Sequence[Tensor | None], grads: Sequence[Tensor]) -> None:
+    """Apply one step of the optimizer of registry entry ``entry`` to ``params`` (those of ``group`` that have
+    grads) in one kernel call.
 
     ``state`` is the optimizer's per-parameter state mapping; missing entries are created here. Hyper-parameters
     are read from ``group`` with torch.optim's key names.
     """
-    entry = _registry.get(kind)
     params, aux, grads = list(params), list(aux), list(grads)
     if not params:
         return
@@ -138,10 +133,10 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
         plain = [i for i, a in enumerate(aux) if a is None]
         rest = [i for i, a in enumerate(aux) if a is not None]
         for idx in (plain, rest):
-            fused_step(kind, group, state, [params[i] for i in idx], [aux[i] for i in idx], [grads[i] for i in idx])
+            fused_step(entry, group, state, [params[i] for i in idx], [aux[i] for i in idx], [grads[i] for i in idx])
         return
-    found = entry_lists(entry, group, state, params)
+    found = state_lists(entry, group, state, params)
     check_step_args(entry.op_name, params, aux, grads, {s.arg: found[s.key] for s in entry.state if found[s.key]},
                     found.get("step"))
-    getattr(ops, f"{kind}_step")(params, aux, grads, *kernel_lists(entry, found), *entry.kernel_args(group),
+    kernel(entry)(params, aux, grads, *kernel_lists(entry, found), *entry.kernel_args(group),
                                  _state_formats.call_key(group))

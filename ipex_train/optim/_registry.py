@@ -19,9 +19,6 @@ from typing import Any
 
 import torch
 
-from .lamb import Lamb
-from .lars import Lars
-
 
 def _always(group: dict[str, Any]) -> bool:
     return True
@@ -97,6 +94,8 @@ def _amsgrad(group: dict[str, Any]) -> bool:
     return bool(group.get("amsgrad", False))
 
 
+# torch.optim's classes are registered here; ipex_train's own optimizers (Lamb, Lars) register themselves where they
+# are defined (:func:`register`), so this module imports none of them.
 OPTIMIZERS: tuple[FusedOptimizer, ...] = (
     FusedOptimizer(
         "sgd", torch.optim.SGD, (State("momentum_buffer", "momentum_buffers", present=_momentum),),
@@ -114,18 +113,24 @@ OPTIMIZERS: tuple[FusedOptimizer, ...] = (
     FusedOptimizer(
         "adagrad", torch.optim.Adagrad, (State("sum", "state_sums", fill="initial_accumulator_value", signed=False),),
         (Hyper("lr"), Hyper("lr_decay"), Hyper("weight_decay"), Hyper("eps"), _flag("maximize", False))),
-    FusedOptimizer(
-        "lamb", Lamb, (State("exp_avg", "exp_avgs"), State("exp_avg_sq", "exp_avg_sqs", signed=False)),
-        (Hyper("lr"), Hyper("beta1", "betas", 0), Hyper("beta2", "betas", 1), Hyper("weight_decay"), Hyper("eps"),
-         _flag("bias_correction"))),
-    FusedOptimizer(
-        "lars", Lars, (State("momentum_buffer", "momentum_buffers"),),
-        (Hyper("lr"), Hyper("momentum"), Hyper("weight_decay"), Hyper("eeta"), Hyper("epsilon")),
-        counts_steps=False),
 )
 
 BY_NAME: dict[str, FusedOptimizer] = {o.name: o for o in OPTIMIZERS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
+
+
+def register(entry: FusedOptimizer) -> FusedOptimizer:
+    """Add ``entry`` (a new kernel name) to :data:`OPTIMIZERS`, :data:`BY_NAME` and :data:`NAMES`; returns it.
+
+    Called once per optimizer class at its definition; the list is checked against the C++ kernels when
+    :mod:`ipex_train.optim` finishes importing."""
+    global OPTIMIZERS, NAMES
+    if entry.name in BY_NAME:
+        raise ValueError(f"fused optimizer {entry.name!r} is registered already")
+    OPTIMIZERS += (entry,)
+    BY_NAME[entry.name] = entry
+    NAMES = tuple(BY_NAME)
+    return entry
 
 
 def get(name: str) -> FusedOptimizer:

@@ -22,7 +22,8 @@ survives save -> load bit for bit (bf16 -> fp32 -> bf16 is exact; for int8, ``en
 """
 from __future__ import annotations
 
-from typing import Any, Union
+import enum
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -35,8 +36,18 @@ Q8_BLOCK = 256  # kQ8Block in state_codec.h
 # StateCodec in state_codec.h by state tensor dtype (the SYCL host takes it per tensor; fp32/fp64 state is 0).
 CODECS = {torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
 
-Format = Union[torch.dtype, str, None]
-_NAMES = {"int8": "int8", "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": None, "float32": None}
+
+
+class StateFormat(enum.Enum):
+    """A reduced-byte state format; its value is how the public options spell it (fp32 state is None)."""
+
+    BF16 = torch.bfloat16
+    INT8 = "int8"
+
+
+Format = Optional[StateFormat]
+_NAMES = {"int8": StateFormat.INT8, "bf16": StateFormat.BF16, "bfloat16": StateFormat.BF16, "fp32": None,
+          "float32": None}
 ACCEPTED = "None or torch.float32 (fp32 state), torch.bfloat16 / 'bf16', or 'int8'"
 
 
@@ -45,10 +56,22 @@ def parse(value: Any, name: str) -> Format:
     if value is None or value is torch.float32:
         return None
     if value is torch.bfloat16:
-        return torch.bfloat16
+        return StateFormat.BF16
+    if isinstance(value, StateFormat):
+        return value
     if isinstance(value, str) and value.strip().lower() in _NAMES:
         return _NAMES[value.strip().lower()]
     raise ValueError(f"{name} must be {ACCEPTED}, got {value!r}")
+
+
+def public(fmt: Format) -> torch.dtype | str | None:
+    """``fmt`` as the options spell it: None, torch.bfloat16 or "int8"."""
+    return None if fmt is None else fmt.value
+
+
+def bytes_per_element(fmt: StateFormat, numel: int) -> float:
+    """Bytes per element of a state tensor of ``numel`` elements stored in ``fmt``."""
+    return 2 if fmt is StateFormat.BF16 else packed_bytes(numel) / numel
 
 
 def wanted(group: dict[str, Any], p: Tensor) -> Format:
@@ -62,15 +85,20 @@ def wanted(group: dict[str, Any], p: Tensor) -> Format:
 def format_of(t: Tensor) -> Format:
     """The format a state tensor is stored in."""
     if t.dtype == torch.bfloat16:
-        return torch.bfloat16
+        return StateFormat.BF16
     if t.dtype in (torch.int8, torch.uint8):
-        return "int8"
+        return StateFormat.INT8
     return None
 
 
 def packed_bytes(numel: int) -> int:
     """Bytes of the packed int8 state of a parameter of ``numel`` elements."""
     return 4 * _blocks(numel) + numel
+
+
+@torch.library.register_fake("ipex_train::q8_encode")
+def _q8_encode_fake(x: Tensor, signed: bool) -> Tensor:
+    return x.new_empty(packed_bytes(x.numel()), dtype=torch.int8 if signed else torch.uint8)
 
 
 def fits(t: Tensor, p: Tensor) -> bool:
@@ -99,7 +127,7 @@ def encode(x: Tensor, p: Tensor, fmt: Format, signed: bool) -> Tensor:
     if fmt is None:
         return x
     like = torch.empty_like(p, dtype=torch.float32).copy_(x)  # p's memory order
-    if fmt is torch.bfloat16:
+    if fmt is StateFormat.BF16:
         return like.to(torch.bfloat16)
     flat = _flat(like)
     n, nb = flat.numel(), _blocks(flat.numel())
@@ -125,7 +153,7 @@ def zeros(p: Tensor, fmt: Format, signed: bool) -> Tensor:
     """Zero state of float32-based parameter ``p`` in reduced format ``fmt``: what ``encode`` gives for fp32 zeros
     (all-zero bytes: scale 0 and code 0), without encode's fp32 temporaries, which at the first step of a large
     model would be allocated and freed once per state tensor."""
-    if fmt is torch.bfloat16:
+    if fmt is StateFormat.BF16:
         return torch.zeros_like(p, dtype=torch.bfloat16, memory_format=torch.preserve_format)
     return torch.zeros(packed_bytes(p.numel()), dtype=torch.int8 if signed else torch.uint8)
 
@@ -134,7 +162,7 @@ def decode(t: Tensor, p: Tensor) -> Tensor:
     """State tensor ``t`` of parameter ``p`` as fp32, shaped and laid out like ``p``."""
     fmt = format_of(t)
     out = torch.empty_like(p, dtype=torch.float32)
-    if fmt is None or fmt is torch.bfloat16:
+    if fmt is None or fmt is StateFormat.BF16:
         return out.copy_(t)
     signed = t.dtype == torch.int8
     n, nb = p.numel(), _blocks(p.numel())
@@ -151,7 +179,7 @@ def decode(t: Tensor, p: Tensor) -> Tensor:
 def convert(t: Tensor, p: Tensor, fmt: Format, signed: bool) -> Tensor:
     """State tensor ``t`` of ``p`` in format ``fmt`` (``t`` itself when it already is)."""
     have = format_of(t)
-    if have == fmt and (have != "int8" or (t.dtype == torch.int8) == signed):
+    if have is fmt and (have is not StateFormat.INT8 or (t.dtype == torch.int8) == signed):
         return t
     return encode(decode(t, p) if have is not None else t, p, fmt, signed)
 

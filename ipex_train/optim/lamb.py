@@ -7,6 +7,7 @@ from torch import Tensor
 
 from . import _reference
 from ._base import FusableOptimizer, check_betas, check_nonneg
+from ._registry import FusedOptimizer, Hyper, State, register
 
 
 class Lamb(FusableOptimizer):
@@ -31,8 +32,6 @@ class Lamb(FusableOptimizer):
             ``state_dtype``, see ipex_train.optimize's optimizer_state_dtype); needs the fused kernel.
     """
 
-    KIND = "lamb"
-
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, bias_correction: bool = True, *, fused: bool | None = None,
                  state_dtype=None):
@@ -49,3 +48,9 @@ class Lamb(FusableOptimizer):
         _reference.lamb(params, grads, lists["exp_avg"], lists["exp_avg_sq"], lists["step"], lr=float(group["lr"]),
                         beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                         bias_correction=group["bias_correction"])
+
+
+Lamb.FUSED = register(FusedOptimizer(
+    "lamb", Lamb, (State("exp_avg", "exp_avgs"), State("exp_avg_sq", "exp_avg_sqs", signed=False)),
+    (Hyper("lr"), Hyper("beta1", "betas", 0), Hyper("beta2", "betas", 1), Hyper("weight_decay"), Hyper("eps"),
+     Hyper("bias_correction", type=bool))))

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from . import _reference
 from ._base import FusableOptimizer, check_nonneg
+from ._registry import FusedOptimizer, Hyper, State, register
 
 
 class Lars(FusableOptimizer):
@@ -22,8 +23,6 @@ class Lars(FusableOptimizer):
     coefficient), ``epsilon``, and ``fused`` and ``state_dtype`` as for :class:`ipex_train.optim.Lamb`.
     """
 
-    KIND = "lars"
-
     def __init__(self, params, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
                  eeta: float = 1e-3, epsilon: float = 0.0, *, fused: bool | None = None,
                  state_dtype=None):
@@ -37,3 +36,9 @@ class Lars(FusableOptimizer):
                         lists: dict[str, list]) -> None:
         _reference.lars(params, grads, lists["momentum_buffer"], lr=float(group["lr"]), momentum=group["momentum"],
                         weight_decay=group["weight_decay"], eeta=group["eeta"], epsilon=group["epsilon"])
+
+
+Lars.FUSED = register(FusedOptimizer(
+    "lars", Lars, (State("momentum_buffer", "momentum_buffers"),),
+    (Hyper("lr"), Hyper("momentum"), Hyper("weight_decay"), Hyper("eeta"), Hyper("epsilon")),
+    counts_steps=False))

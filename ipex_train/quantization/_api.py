@@ -6,11 +6,12 @@ import warnings
 import torch
 from torch import nn
 
+from .._record import copy_model
 from . import _summary
 from ._graph import Graph, Recorder
 from ._kernels import engine_scope, weight_bits
 from ._qconfig import QConfig, default_static_qconfig
-from ._runtime import AddPlan, Int8Layer, QuantizedModel
+from ._runtime import QUANTIZED, AddPlan, Int8Layer, QuantizedModel
 
 
 class PreparedModel(nn.Module):
@@ -120,9 +121,7 @@ def prepare(model, qconfig=default_static_qconfig, example_inputs=None, inplace=
         raise ValueError("prepare(): the model must be fp32 (calibrate the fp32 model, not a bf16 one)")
     bits = weight_bits(qconfig.weight_bits)
     if not inplace:
-        from ..frontend import _copy_model
-
-        model, _ = _copy_model(model)
+        model, _ = copy_model(model)
     from ..inference import fold_conv_bn, fold_linear_bn, replace_dropout
 
     sample = example_inputs if not isinstance(example_inputs, list) else tuple(example_inputs)
@@ -170,9 +169,7 @@ def convert(prepared, inplace=False) -> QuantizedModel:
     if inplace:
         model = prepared.model
     else:
-        from ..frontend import _copy_model
-
-        model, _ = _copy_model(prepared.model)
+        model, _ = copy_model(prepared.model)
     layers, adds, fp32 = {}, {}, []
     with engine_scope(), torch.no_grad():
         for op, e in zip(graph.ops, summary):
@@ -202,8 +199,8 @@ def convert(prepared, inplace=False) -> QuantizedModel:
     return QuantizedModel(model, adds, summary, fp32).eval()
 
 
-_CHANNELS_LAST = {"conv2d": torch.channels_last, "conv3d": torch.channels_last_3d}
-_BATCHED_RANK = {"conv1d": 3, "conv2d": 4, "conv3d": 5}
+_CHANNELS_LAST = {nn.Conv2d: torch.channels_last, nn.Conv3d: torch.channels_last_3d}
+_BATCHED_RANK = {nn.Conv1d: 3, nn.Conv2d: 4, nn.Conv3d: 5}
 
 
 def _unsupported(m: nn.Module) -> str | None:
@@ -218,22 +215,17 @@ def _unsupported(m: nn.Module) -> str | None:
 
 
 def _int8_layer(op, m: nn.Module, e: dict) -> Int8Layer:
-    import torch.ao.nn.intrinsic.quantized as nniq
-    import torch.ao.nn.quantized as nnq
-
     relu = e["post_op"] == "relu"
-    if op.kind == "linear":
-        q = (nniq.LinearReLU if relu else nnq.Linear)(m.in_features, m.out_features)
+    cls = QUANTIZED[type(m)][relu]
+    if isinstance(m, nn.Linear):
+        q = cls(m.in_features, m.out_features)
     else:
-        dims = int(op.kind[-2])
-        cls = ((nniq.ConvReLU1d, nniq.ConvReLU2d, nniq.ConvReLU3d) if relu
-               else (nnq.Conv1d, nnq.Conv2d, nnq.Conv3d))[dims - 1]
         q = cls(m.in_channels, m.out_channels, m.kernel_size, stride=m.stride, padding=m.padding,
                 dilation=m.dilation, groups=m.groups)
     q.set_weight_bias(_quantize_weight(m.weight, e), None if m.bias is None else m.bias.detach().float())
     q.scale, q.zero_point = float(e["output_scales"][0]), int(e["output_zero_points"][0])
     return Int8Layer(op.name, q, float(e["input_scales"][0]), int(e["input_zero_points"][0]),
-                     e["outputs_quantized"][0], relu, _CHANNELS_LAST.get(op.kind), _BATCHED_RANK.get(op.kind))
+                     e["outputs_quantized"][0], relu, _CHANNELS_LAST.get(type(m)), _BATCHED_RANK.get(type(m)))
 
 
 def _quantize_weight(weight: torch.Tensor, e: dict) -> torch.Tensor:

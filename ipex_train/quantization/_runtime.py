@@ -22,6 +22,7 @@ import weakref
 from collections import Counter
 
 import torch
+import torch.ao.nn.intrinsic.quantized as nniq
 import torch.ao.nn.quantized as nnq
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -29,10 +30,13 @@ from torch.utils._pytree import tree_map
 
 from ._graph import ADD, METADATA, RELU, TRANSPARENT, inplace
 
-_KERNELS = {"Linear": torch.ops.quantized.linear, "LinearReLU": torch.ops.quantized.linear_relu,
-            "Conv1d": torch.ops.quantized.conv1d, "Conv2d": torch.ops.quantized.conv2d,
-            "Conv3d": torch.ops.quantized.conv3d, "ConvReLU1d": torch.ops.quantized.conv1d_relu,
-            "ConvReLU2d": torch.ops.quantized.conv2d_relu, "ConvReLU3d": torch.ops.quantized.conv3d_relu}
+# fp32 module class -> its quantized module class (post-op none, relu), and each quantized class's kernel.
+QUANTIZED = {nn.Linear: (nnq.Linear, nniq.LinearReLU), nn.Conv1d: (nnq.Conv1d, nniq.ConvReLU1d),
+             nn.Conv2d: (nnq.Conv2d, nniq.ConvReLU2d), nn.Conv3d: (nnq.Conv3d, nniq.ConvReLU3d)}
+_KERNELS = {nnq.Linear: torch.ops.quantized.linear, nniq.LinearReLU: torch.ops.quantized.linear_relu,
+            nnq.Conv1d: torch.ops.quantized.conv1d, nnq.Conv2d: torch.ops.quantized.conv2d,
+            nnq.Conv3d: torch.ops.quantized.conv3d, nniq.ConvReLU1d: torch.ops.quantized.conv1d_relu,
+            nniq.ConvReLU2d: torch.ops.quantized.conv2d_relu, nniq.ConvReLU3d: torch.ops.quantized.conv3d_relu}
 
 
 class Int8Layer(nn.Module):
@@ -46,7 +50,7 @@ class Int8Layer(nn.Module):
         self.out_quantized, self.relu, self.memory_format = out_quantized, relu, memory_format
         # The quantized module's own kernel (quantized::conv2d_relu, quantized::linear, ...), called directly: its
         # forward() only re-checks the input's rank, and this call is per layer per batch (batch-1 latency).
-        self._kernel, self._linear = _KERNELS[type(qmodule).__name__], isinstance(qmodule, nnq.Linear)
+        self._kernel, self._linear = _KERNELS[type(qmodule)], isinstance(qmodule, nnq.Linear)
 
     def forward(self, x):
         with torch._C.DisableTorchFunction():  # the runtime mode must not dequantize this layer's own int8 calls

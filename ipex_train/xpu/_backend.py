@@ -41,11 +41,11 @@ class SyclBackend:
             buf = self._staging[p] = _usm.usm_tensor(grad.shape, grad.dtype, self.queue)
         return buf.copy_(grad)
 
-    def fused_step(self, kind: str, group: dict[str, Any], state: dict, params: list[Tensor],
+    def fused_step(self, entry, group: dict[str, Any], state: dict, params: list[Tensor],
                    aux: list[Tensor | None], grads: list[Tensor]) -> None:
-        """:func:`ipex_train.optim._fused.fused_step`'s arguments, run on the queue."""
+        """:func:`ipex_train.optim._fused.fused_step`'s arguments (``entry``: the registry entry), run on the queue."""
         grads = [self._usm_grad(p, g) for p, g in zip(params, grads)]
-        _steps.fused_step(kind, group, state, params, aux, grads, self.queue)
+        _steps.fused_step(entry, group, state, params, aux, grads, self.queue)
 
     def place_params(self, masters, params: Iterable[Tensor]) -> None:
         """Move ``params`` and their residuals or masters (``masters``, the model's MasterWeights) into USM shared

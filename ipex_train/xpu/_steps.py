@@ -43,7 +43,7 @@ def _on_torch_xpu(params: list) -> bool:
 
 def _to_usm_state(entry: FusedOptimizer, state: MutableMapping[Tensor, dict], params: list, lists: dict[str, list],
                   queue) -> None:
-    # entry_lists creates missing state with torch's allocator (and load_state_dict restores it there): move such
+    # state_lists creates missing state with torch's allocator (and load_state_dict restores it there): move such
     # tensors into USM, in the optimizer's state too, so later steps find them in place.
     for spec in entry.state:
         for i, t in enumerate(lists[spec.key]):
@@ -53,11 +53,11 @@ def _to_usm_state(entry: FusedOptimizer, state: MutableMapping[Tensor, dict], pa
                 lists[spec.key][i] = moved
 
 
-def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, dict], params: Sequence[Tensor],
-               aux: Sequence[Tensor | None], grads: Sequence[Tensor], queue=None) -> None:
+def fused_step(kind: str | FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
+               params: Sequence[Tensor], aux: Sequence[Tensor | None], grads: Sequence[Tensor], queue=None) -> None:
     """One step of optimizer ``kind`` (a name of :mod:`ipex_train.optim._registry`: "sgd", "adam", "adagrad",
-    "lamb", "lars") for one parameter group, run by the SYCL kernels on ``queue`` (a dpctl.SyclQueue; default
-    :func:`default_queue`).
+    "lamb", "lars", or its registry entry) for one parameter group, run by the SYCL kernels on ``queue`` (a
+    dpctl.SyclQueue; default :func:`default_queue`).
 
     Arguments mirror :func:`ipex_train.optim._fused.fused_step`: hyper-parameters come from ``group`` with
     torch.optim's key names, ``state`` is the optimizer's per-parameter state (missing entries are created as the
@@ -67,8 +67,8 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
     (:func:`to_usm`, :func:`module_to_usm`, :func:`usm_grads`); other memory is refused with ValueError. Torch XPU
     tensors (a torch build with XPU) run on torch's current SYCL queue instead.
     """
-    op = f"ipex_train.xpu.fused_step({kind!r})"
-    entry = _registry.get(kind)
+    entry = kind if isinstance(kind, FusedOptimizer) else _registry.get(kind)
+    op = f"ipex_train.xpu.fused_step({entry.name!r})"
     params, aux, grads = list(params), list(aux), list(grads)
     if not params:
         return
@@ -77,7 +77,7 @@ def fused_step(kind: str, group: dict[str, Any], state: MutableMapping[Tensor, d
         raise RuntimeError(f"{op}: param group key {_state_formats.GROUP_KEY!r} is "
                            f"{group[_state_formats.GROUP_KEY]!r}, but reduced-byte state is not implemented for torch "
                            "XPU tensors (it runs on USM-backed CPU tensors and on the CPU step); use fp32 state")
-    lists = _fused.entry_lists(entry, group, state, params)
+    lists = _fused.state_lists(entry, group, state, params)
     if _on_torch_xpu(params):
         if queue is not None:
             raise ValueError(f"{op}: params are torch XPU tensors, which run on torch's own SYCL queue; "

@@ -5,7 +5,7 @@ It is an instance of a subclass of the user's optimizer class, created once per 
 ``state_dict`` are torch's own. Only three methods differ:
 
 * ``step``: per parameter group, ONE fused C++ call (:func:`_fused.fused_step`) over the params with dense grads,
-  for the classes of :mod:`._registry` (SGD / Adam / AdamW / Adagrad / Lamb / Lars) and subclasses that keep
+  for the classes of :mod:`.optim._registry` (SGD / Adam / AdamW / Adagrad / Lamb / Lars) and subclasses that keep
   their step. Everything else (sparse
   grads, other optimizer classes, ``fuse_update_step=False``) runs the user's class's own step with each
   low-precision parameter temporarily holding its fp32 value and an fp32 grad, then stores the result back
@@ -22,7 +22,7 @@ it places them (USM shared memory).
 
 ``set_step_in_backward(True)`` (``optimize(step_in_backward=True)``) moves the step into backward: a hook per
 parameter steps it alone (same fused call, one parameter) and frees its grad; ``step()`` then steps nothing
-(:mod:`._release` says what follows).
+(:mod:`._step_in_backward` says what follows).
 """
 from __future__ import annotations
 
@@ -35,15 +35,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._master_weights import MasterWeights
-from . import _fused, _registry, _release, _state_formats
-from ._registry import unhooked
+from . import _step_in_backward
+from ._master_weights import MasterWeights
+from .optim import _fused, _registry, _state_formats
+from .optim._registry import unhooked
 
 
-def fused_kind(optimizer_class: type) -> str | None:
-    """The fused_step kind for ``optimizer_class``: a registered class, or a subclass that keeps its step."""
-    entry = _registry.for_class(optimizer_class)
-    return None if entry is None else entry.name
+def has_fused_step(optimizer_class: type) -> bool:
+    """Whether a fused kernel steps ``optimizer_class``: a registered class, or a subclass that keeps its step."""
+    return _registry.for_class(optimizer_class) is not None
 
 
 def _like_param(value: Tensor, p: Tensor, clone: bool) -> Tensor:
@@ -79,13 +79,13 @@ class TrainingOptimizer(torch.optim.Optimizer):
     """
 
     _user_class: type = torch.optim.Optimizer
-    _fused_kind: str | None = None
+    _fused_entry: _registry.FusedOptimizer | None = None
 
     def _step(self, closure=None):
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss.
 
         With step_in_backward on, backward has already stepped every parameter: this runs the closure and closes
-        the step (see :mod:`._release`)."""
+        the step (see :mod:`._step_in_backward`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -108,13 +108,13 @@ class TrainingOptimizer(torch.optim.Optimizer):
     def _fused_part(self, group: dict[str, Any], params: list[Tensor]) -> list[Tensor]:
         """One fused call for the dense ``params`` of ``group`` (all with grads); returns those it did not step
         (sparse grads, or no fused kernel), which :meth:`_unfused_step` takes."""
-        kind = self._fused_kind if self._ipex_fuse else None
-        dense = [p for p in params if kind is not None and not p.grad.is_sparse]
+        entry = fused_entry(self)
+        dense = [p for p in params if entry is not None and not p.grad.is_sparse]
         if dense:
             aux = self._ipex_masters.aux
             step = _fused.fused_step if self._ipex_sycl is None else self._ipex_sycl.fused_step
-            step(kind, group, self.state, dense, [aux.get(p) for p in dense], [p.grad for p in dense])
-        return [p for p in params if kind is None or p.grad.is_sparse]
+            step(entry, group, self.state, dense, [aux.get(p) for p in dense], [p.grad for p in dense])
+        return [p for p in params if entry is None or p.grad.is_sparse]
 
     def _ipex_step_params(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """Step ``params`` of ``group`` alone (the step-in-backward hook); under no_grad."""
@@ -131,13 +131,13 @@ class TrainingOptimizer(torch.optim.Optimizer):
         return self._ipex_release is not None
 
     def set_step_in_backward(self, enabled: bool) -> None:
-        """Turn the step inside backward on (hooks on every parameter; see :mod:`._release`) or off (hooks
+        """Turn the step inside backward on (hooks on every parameter; see :mod:`._step_in_backward`) or off (hooks
         removed: backward leaves grads and step() steps them, as torch does)."""
         if not isinstance(enabled, bool):
             raise TypeError(f"set_step_in_backward(): enabled must be True or False, got {enabled!r}")
         if enabled and self._ipex_release is None:
-            _release.check_supported(self._user_class)
-            self._ipex_release = _release.GradientRelease(self)
+            _step_in_backward.check_supported(self._user_class)
+            self._ipex_release = _step_in_backward.GradientRelease(self)
         elif not enabled and self._ipex_release is not None:
             self._ipex_release.remove()
             self._ipex_release = None
@@ -179,7 +179,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
             key = _state_formats.GROUP_KEY
             fmt = _state_formats.parse(param_group.get(key, self.defaults.get(key)),
                                        f"add_param_group(): param group key {key!r}")
-            if fmt is not None and not (self._ipex_fuse and self._fused_kind is not None):
+            if fmt is not None and fused_entry(self) is None:
                 raise ValueError(f"add_param_group(): param group key {key!r} is {param_group.get(key)!r}, but "
                                  f"reduced-byte state needs the fused step, which this {self._user_class.__name__} "
                                  "does not run (use state_dtype=torch.float32 or leave the key out)")
@@ -211,8 +211,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
             p = id_map.get(saved_id)
             if p is not None:
                 state[p] = _normalised(entry, p, clone=False)
-        if self._fused_kind is not None and self._ipex_fuse:
-            _fused.store_state_formats(self._fused_kind, groups, state)
+        if fused_entry(self) is not None:
+            _fused.store_state_formats(fused_entry(self), groups, state)
         if self._ipex_sycl is not None:  # after the re-encoding, which makes new tensors
             for entry in state.values():
                 self._ipex_sycl.place_state(entry)
@@ -242,7 +242,7 @@ def training_class(user_class: type) -> type:
     if cls is None:
         cls = type(user_class.__name__, (TrainingOptimizer, user_class), {
             "__module__": __name__, "__qualname__": f"TrainingOptimizer[{user_class.__qualname__}]",
-            "__doc__": user_class.__doc__, "_user_class": user_class, "_fused_kind": fused_kind(user_class)})
+            "__doc__": user_class.__doc__, "_user_class": user_class, "_fused_entry": _registry.for_class(user_class)})
         _CLASSES[user_class] = cls
     return cls
 
@@ -250,6 +250,20 @@ def training_class(user_class: type) -> type:
 def _rebuild(user_class: type) -> TrainingOptimizer:
     cls = training_class(user_class)
     return cls.__new__(cls)
+
+
+def fused_entry(optimizer: torch.optim.Optimizer):
+    """The registry entry (:class:`ipex_train.optim._registry.FusedOptimizer`) whose kernel steps ``optimizer``, or
+    None: not returned by optimize(), no fused step for its class, or ``fuse_update_step=False``."""
+    if not isinstance(optimizer, TrainingOptimizer) or not optimizer._ipex_fuse:
+        return None
+    return optimizer._fused_entry
+
+
+def step_backend(optimizer: torch.optim.Optimizer):
+    """The step backend of an optimizer optimize(sycl=True) returned (:class:`ipex_train.xpu.SyclBackend`), else
+    None (the CPU step)."""
+    return optimizer._ipex_sycl if isinstance(optimizer, TrainingOptimizer) else None
 
 
 def user_class(optimizer: torch.optim.Optimizer) -> type:
