@@ -38,7 +38,9 @@ def needs_norms(entry: FusedOptimizer | None) -> bool:
 def check_state_formats(optimizer_class: type, groups: list[dict[str, Any]], state_dtype) -> None:
     """Raise ValueError when reduced-byte state is asked for (``state_dtype`` or a group's key) for an optimizer
     class whose shard step does not keep it (Lamb, Lars)."""
-    asked = state_dtype is not None or any(g.get(_state_formats.GROUP_KEY) is not None for g in groups)
+    key = _state_formats.GROUP_KEY
+    asked = _state_formats.parse(state_dtype, "optimizer_state_dtype") is not None or any(
+        _state_formats.parse(g.get(key), f"param group key {key!r}") is not None for g in groups)
     if issubclass(optimizer_class, NORM_CLASSES) and asked:
         raise ValueError(f"optimize(): reduced-byte optimizer state is not available for {optimizer_class.__name__} "
                          "on fully_shard models (its step needs whole-parameter norms, computed here in fp32); leave "
