@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _record
+from ._dtensor import local
 from ._training_optimizer import TrainingOptimizer, user_class
 from .optim import _fused, _registry, _state_formats
 
@@ -29,6 +30,8 @@ def state_bytes_per_element(p: Tensor, group: dict) -> float:
 
 
 def _nbytes(t: Tensor) -> int:
+    # A sharded (FSDP2) tensor counts this rank's shard.
+    t = local(t)
     return t.numel() * t.element_size()
 
 
@@ -43,7 +46,8 @@ class MemoryReport:
     tensors; state_predicted: the fused optimizer's state not created yet; state_unknown_elements: parameter
     elements whose optimizer has no fused step and no state yet (its size is known after the first step).
     step_in_backward: grads are freed inside backward; largest_grad is then the biggest single grad (the most
-    one parameter holds at a time).
+    one parameter holds at a time). On a model sharded with FSDP2 the bytes are this rank's (its shards) and
+    ``parameters`` counts the whole model, so :meth:`per_parameter` is bytes per parameter per rank.
     """
 
     parameters: int
@@ -103,7 +107,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     aux = masters.aux if masters is not None else {}
     release = isinstance(optimizer, TrainingOptimizer) and optimizer.step_in_backward
     trained = [p for p in params if p.requires_grad]
-    grad_sizes = [_nbytes(p.grad) if p.grad is not None else p.numel() * p.element_size() for p in trained]
+    grad_sizes = [_nbytes(p.grad if p.grad is not None else p) for p in trained]
     measured = predicted = unknown = 0
     if optimizer is not None:
         entry = _registry.for_class(user_class(optimizer))  # the state is torch's, fused or not
@@ -114,7 +118,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
                 if found:
                     measured += sum(_nbytes(v) for v in found)
                 elif entry is not None:
-                    predicted += int(len(states) * p.numel() * state_bytes_per_element(p, group))
+                    predicted += int(len(states) * local(p).numel() * state_bytes_per_element(local(p), group))
                 else:
                     unknown += p.numel()
     return MemoryReport(

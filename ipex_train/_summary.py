@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import _record
+from ._dtensor import is_dtensor, local
 from ._training_optimizer import TrainingOptimizer, fused_entry, step_backend, user_class
 from ._master_weights import LOW_PRECISION, matmul_units, owners
 from ._memory import memory_report
@@ -26,6 +27,7 @@ NOT_MATMUL = "not a matmul-class module"
 TIED = "tied with an fp32 module"
 SIBLING = "its module keeps another parameter fp32"
 FP64 = "float64, left as is"
+SHARD = "FSDP2 fp32 shard (the master; its MixedPrecisionPolicy sets the compute dtype)"
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ def _is_norm(m: nn.Module) -> bool:
 def _reason(p: torch.Tensor, mods: list[nn.Module], units: dict[int, nn.Module], low: torch.dtype | None) -> str:
     if p.dtype == torch.float64:
         return FP64
+    if is_dtensor(p):
+        return SHARD
     if low is None:
         return NOT_REQUESTED
     if any(_is_norm(m) for m in mods):
@@ -159,11 +163,11 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     for p, mods in found.items():
         if p.dtype in LOW_PRECISION:
             low_tensors += 1
-            low_elements += p.numel()
+            low_elements += local(p).numel()
         elif p.is_floating_point():
             g = groups.setdefault(_reason(p, mods, units, low), [0, 0, set()])
             g[0] += 1
-            g[1] += p.numel()
+            g[1] += local(p).numel()  # a rank counts its shards (FSDP2)
             g[2].update(type(m).__name__ for m in mods)
     kept = tuple(KeptFp32(r, n, e, tuple(sorted(mods))) for r, (n, e, mods) in
                  sorted(groups.items(), key=lambda item: -item[1][1]))

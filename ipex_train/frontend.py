@@ -22,7 +22,8 @@ model runs as before) and every fused optimizer step runs on :func:`ipex_train.x
 
 Distributed: call optimize() first, then wrap the returned model in DistributedDataParallel (DDP builds its
 gradient buckets from the parameter dtypes). All ranks must start from the same fp32 weights (same seed or the
-same checkpoint): DDP's initial broadcast syncs the bf16 tops, not the residuals.
+same checkpoint): DDP's initial broadcast syncs the bf16 tops, not the residuals. FSDP2 is the other way round:
+fully_shard first, then the optimizer, then optimize(..., inplace=True) (:mod:`ipex_train.distributed`).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import _channels_last, _record, _summary
+from . import _channels_last, _record, _summary, distributed
 from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_parameters, register_input_casts,
                               set_memory_format)
 from .config import OptimizeConfig
@@ -181,6 +182,30 @@ def _inference_passes(model: nn.Module, flags: Flags, sample_input) -> None:
         replace_dropout(model)
 
 
+def _optimize_sharded(model: nn.Module, optimizer, config: OptimizeConfig, inplace: bool):
+    """optimize() for a model sharded with FSDP2 (see :mod:`ipex_train.distributed`): checks, then the compute
+    policy and the shard-stepping optimizer; the weights stay FSDP2's fp32 shards."""
+    masters = _record.masters(model)
+    distributed.check_sharded(model, optimizer, config.dtype, inplace, config,
+                              optimized_before=masters is not None and bool(masters.aux))
+    _validate(model, optimizer, None)
+    flags = _resolve_flags(config)
+    if config.dtype == torch.bfloat16 or config.bf16_compute is not None:
+        from . import compute_policy
+
+        compute_policy.resolve(config.bf16_compute)  # raises for a bad value before anything changes
+    _check_state_dtype(config.optimizer_state_dtype, optimizer, flags)
+    if config.step_in_backward:
+        _check_release(optimizer)
+    optimizer, masters = distributed.prepare_sharded(model, optimizer, config.dtype, config, flags, masters)
+    _record.set_masters(model, masters)
+    _set_state_dtype(optimizer, config.optimizer_state_dtype)
+    if config.step_in_backward is not None:
+        optimizer.set_step_in_backward(config.step_in_backward)
+    _summary.record(model, optimizer, config.dtype)
+    return model, optimizer
+
+
 def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_bn_folding=None,
              linear_bn_folding=None, replace_dropout_with_identity=None, split_master_weight_for_bf16=None,
              fuse_update_step=None, auto_channels_last=None, sample_input=None, bf16_compute=None, sycl=None, *,
@@ -257,6 +282,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
     else:
         config = config.merged(**shorthand)
     dtype, bf16_compute = config.dtype, config.bf16_compute
+    if isinstance(model, nn.Module) and distributed.is_sharded(model):
+        return _optimize_sharded(model, optimizer, config, inplace)
     _validate(model, optimizer, dtype)
     flags = _resolve_flags(config)
     if dtype == torch.bfloat16 or bf16_compute is not None:
@@ -321,6 +348,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         _log.info("ipex_train.optimize(sycl=True): without a fused step the optimizer steps on the CPU; the "
                   "parameters still live in USM shared memory")
     optimizer = training_optimizer(optimizer, masters, fuse, param_map, backend)
+    distributed.guard(model, optimizer)
     _set_state_dtype(optimizer, config.optimizer_state_dtype)
     if config.step_in_backward:
         optimizer.set_step_in_backward(True)

@@ -221,3 +221,22 @@ def test_train_step_benchmark_as_on_an_avx2_cpu(tmp_path):
     assert results["optimize_bf16"]["bf16_compute"] == "emulated"
     assert all(len(r["step_times_s"]) == 6 and "memory" in r for r in results.values())
     assert any(t["target"] == "resnet_cnn optimize_bf16 step time <= 1.0x fp32" for t in data["targets"])
+
+
+def test_fsdp_recipe_two_processes(tmp_path):
+    """torchrun --nproc_per_node 2 -m recipes.fsdp_train: FSDP2 + optimize(bf16), JSON, PNG, a DCP checkpoint."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics, png, ckpt = tmp_path / "metrics.json", tmp_path / "fsdp.png", tmp_path / "ckpt"
+    _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+          str(port), "-m", "recipes.fsdp_train", "--steps", str(STEPS), "--hidden", "32", "--layers", "1", "--seq-len", "16",
+          "--batch-size", "2", "--no-progress", "--json", str(metrics), "--plot", str(png), "--checkpoint",
+          str(ckpt)], timeout=300)
+    data = json.loads(metrics.read_text())
+    assert data["world_size"] == 2 and data["runs"][0]["batch_size"] == 4
+    _check_losses(data["runs"][0]["losses"])
+    _check_png(png)
+    assert (ckpt / ".metadata").exists()

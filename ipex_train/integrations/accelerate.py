@@ -179,7 +179,8 @@ def _check_accelerator(accelerator: accelerate.Accelerator) -> None:
     if kind not in _SERVED:
         raise ValueError(f"IpexTrainPlugin: accelerator.state.distributed_type is {kind}; the plugin serves "
                          f"{' and '.join(str(t) for t in _SERVED)} (DeepSpeed, FSDP, Megatron-LM and XLA keep their "
-                         "own weight copies and optimizer); use plain DDP on CPUs, or drop the plugin")
+                         "own weight copies and optimizer); use plain DDP on CPUs, or drop the plugin (to shard "
+                         "on CPUs: torchrun, torch's fully_shard, then ipex_train.optimize(..., inplace=True))")
     if accelerator.device.type != "cpu":
         raise ValueError(f"IpexTrainPlugin: accelerator.device is {accelerator.device}; ipex_train trains on the "
                          "CPU: create the accelerator with Accelerator(cpu=True) (or accelerate launch --cpu)")

@@ -1,0 +1,226 @@
+"""FSDP2 on 2 CPU processes (gloo): bytes per parameter per rank and step time of ipex_train.optimize(bf16) on a
+fully_shard model against torch's own recipe (FSDP2 + bf16 MixedPrecisionPolicy + torch's fused AdamW).
+
+Run from the repository root::
+
+    python -m benchmarks.bench_fsdp [--quick] [--json out.json] [--threads N] [--steps N]
+
+The model is a Llama-style decoder built from a transformers config (hidden 512, 10 layers, vocabulary 8192:
+~50M parameters), every decoder layer and the root sharded with
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; each rank trains on its own batch of
+``--batch`` sequences of ``--seq`` tokens. Variants (VARIANTS):
+
+* ``torch``: ``torch.optim.AdamW(fused=True)`` on the DTensor parameters (torch's fused op has a DTensor rule);
+* ``ipex_bf16``: ``ipex_train.optimize(model, AdamW, dtype=bfloat16, inplace=True)`` (fused step on the shards);
+* ``ipex_bf16_int8_sib``: the same with ``optimizer_state_dtype="int8", step_in_backward=True``.
+
+Memory: each variant in fresh ranks with glibc's mmap threshold pinned (freed tensors leave the RSS); per rank,
+the RSS after the model is sharded and the optimizer built is the baseline, then the peak RSS over the steps
+(VmHWM reset at the baseline); bytes/param/rank = (peak - baseline) / whole-model parameters, which holds grads,
+optimizer state, the gathered bf16 copies of the units in flight and activations. Beside it,
+``ipex_train.memory_report`` (per rank: shards, grads and state, tensors only), and the persistent part predicted.
+
+Time: all variants in the same ranks, steps interleaved round-robin (torch, ipex, ipex, torch, ...), median of the
+steps after the first two per variant (forward + backward + step, wall time on rank 0), and of optimizer.step()
+alone (inside backward with step_in_backward, whose step() then steps nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+VARIANTS = {
+    "torch": None,
+    "ipex_bf16": {},
+    "ipex_bf16_int8_sib": {"optimizer_state_dtype": "int8", "step_in_backward": True},
+}
+SIZES = {"full": {"hidden": 512, "layers": 10, "vocab": 8192}, "quick": {"hidden": 64, "layers": 2, "vocab": 256}}
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM back to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _pin_mmap_threshold() -> bool:
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+def build(size: dict, variant: str):
+    """The sharded model and the variant's optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ipex_train
+
+    config = LlamaConfig(vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=4 * size["hidden"],
+                         num_hidden_layers=size["layers"], num_attention_heads=8, num_key_value_heads=8,
+                         max_position_embeddings=1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).train()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    options = VARIANTS[variant]
+    if options is None:
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return ipex_train.optimize(model, optimizer, dtype=torch.bfloat16, inplace=True, **options)
+
+
+def step(model, optimizer, tokens: torch.Tensor) -> float:
+    """One training step (next-token loss); returns the seconds optimizer.step() took."""
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(input_ids=tokens[:, :-1]).logits
+    F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+    t0 = time.perf_counter()
+    optimizer.step()
+    return time.perf_counter() - t0
+
+
+def _tokens(args, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    return torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
+
+
+def memory_rank(args, size: dict, variant: str) -> dict:
+    import ipex_train
+
+    pinned = _pin_mmap_threshold()
+    model, optimizer = build(size, variant)
+    tokens = _tokens(args, size["vocab"])
+    params = sum(p.numel() for p in model.parameters())
+    base_kb = _status_kb("VmRSS")
+    reset = _reset_peak()
+    for _ in range(3):  # the first step creates the optimizer state
+        step(model, optimizer, tokens)
+    peak_kb = _status_kb("VmHWM")
+    report = ipex_train.memory_report(model, optimizer)
+    return {"variant": variant, "rank": dist.get_rank(), "params": params, "base_rss_mb": base_kb / 1024,
+            "peak_rss_mb": peak_kb / 1024, "bytes_per_param_rank": (peak_kb - base_kb) * 1024 / params,
+            "accounted_bytes_per_param_rank": report.per_parameter(), "mmap_threshold_pinned": pinned,
+            "peak_reset": reset}
+
+
+def time_rank(args, size: dict, variants: list[str]) -> dict:
+    runs = {v: build(size, v) for v in variants}
+    tokens = _tokens(args, size["vocab"])
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    opt_times: dict[str, list[float]] = {v: [] for v in variants}
+    for i in range(args.steps):
+        order = variants if i % 2 == 0 else variants[::-1]
+        for v in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt_times[v].append(step(*runs[v], tokens))
+            dist.barrier()
+            times[v].append(time.perf_counter() - t0)
+    return {v: {"median_ms": 1e3 * statistics.median(t[2:] or t), "steps_ms": [1e3 * x for x in t],
+                "optimizer_step_median_ms": 1e3 * statistics.median(opt_times[v][2:] or opt_times[v])}
+            for v, t in times.items()}
+
+
+def _rank(rank: int, world: int, port: int, job: tuple, out: str) -> None:
+    torch.set_num_threads(job[0].threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=1800))
+    try:
+        kind, args, size, what = job[1], job[0], job[2], job[3]
+        result = memory_rank(args, size, what) if kind == "memory" else time_rank(args, size, what)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(args, kind: str, size: dict, what, tmp: Path) -> list[dict]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_rank, args=(2, port, (args, kind, size, what), str(tmp)), nprocs=2, join=True,
+                       start_method="spawn")
+    return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark; print the table, write the JSON."""
+    import tempfile
+
+    import ipex_train
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model and 3 steps (smoke run)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per variant")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--json", type=Path, help="write the results to this file")
+    args = parser.parse_args(argv)
+    size = SIZES["quick" if args.quick else "full"]
+    if args.quick:
+        args.steps, args.seq = 3, 16
+    memory, timing = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in VARIANTS:
+            memory[v] = _spawn(args, "memory", size, v, Path(tmp, f"m_{v}"))
+        timing = _spawn(args, "time", size, list(VARIANTS), Path(tmp, "t"))[0]
+    base = memory["torch"]
+    print(f"FSDP2, 2 ranks x {args.threads} thread(s), {base[0]['params'] / 1e6:.1f}M params, batch {args.batch} x "
+          f"{args.seq} tokens per rank")
+    print(f"{'variant':<22}{'B/param/rank':>13}{'vs torch':>9}{'accounted':>10}{'step ms':>9}{'vs torch':>9}"
+          f"{'opt.step ms':>12}")
+    rows = {}
+    for v, ranks in memory.items():
+        worst = max(r["bytes_per_param_rank"] for r in ranks)
+        accounted = max(r["accounted_bytes_per_param_rank"]["total"] for r in ranks)
+        rows[v] = {"bytes_per_param_rank": worst, "accounted_bytes_per_param_rank": accounted,
+                   "memory_vs_torch": worst / max(r["bytes_per_param_rank"] for r in base),
+                   "step_ms": timing[v]["median_ms"], "time_vs_torch": timing[v]["median_ms"] /
+                   timing["torch"]["median_ms"], "optimizer_step_ms": timing[v]["optimizer_step_median_ms"]}
+        r = rows[v]
+        print(f"{v:<22}{worst:>13.2f}{r['memory_vs_torch']:>8.2f}x{accounted:>10.2f}{r['step_ms']:>9.0f}"
+              f"{r['time_vs_torch']:>8.2f}x{r['optimizer_step_ms']:>12.1f}")
+    if args.json:
+        meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+                "cpu": ipex_train.info()["cpu"], "torch": torch.__version__, "args": vars(args) | {"json": None},
+                "cpu_count": os.cpu_count()}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "summary": rows, "memory": memory, "time": timing},
+                                        indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""optimize() on a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``): checks and preparation.
+
+The order is FSDP2's own: ``fully_shard`` every block and the root, build the optimizer over the sharded
+parameters, then ``optimize(model, optimizer, dtype=..., inplace=True)``. FSDP2 already keeps what optimize()
+builds for one process: each parameter's fp32 shard is the master copy, and its ``MixedPrecisionPolicy`` casts the
+gathered weights to the compute dtype. So nothing is converted here: the checks make sure the policy matches
+``dtype``, the bf16 compute policy is attached, and the optimizer steps shards (:mod:`._optimizer`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from .._master_weights import MasterWeights
+from .._training_optimizer import TrainingOptimizer, has_fused_step, training_optimizer, user_class
+from ..optim import sharded
+from ._optimizer import sharded_class
+
+_ORDER = ("fully_shard every block and the root, build the optimizer from model.parameters(), then call "
+          "optimize(model, optimizer, dtype=..., inplace=True)")
+_POLICY = ("fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+           "reduce_dtype=torch.float32))")
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` was applied to."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _param_dtype(unit: nn.Module) -> torch.dtype | None:
+    # The unit's MixedPrecisionPolicy: FSDP2 exposes it only on its state object.
+    return unit._get_fsdp_state()._mp_policy.param_dtype
+
+
+def check(model: nn.Module, optimizer, dtype, inplace: bool, config, optimized_before: bool) -> None:
+    """Raise (ValueError/RuntimeError naming what to do) unless ``model`` (with FSDP2 units) and ``optimizer`` can
+    be prepared by optimize() with these options."""
+    if optimized_before:
+        raise RuntimeError("optimize(): this model was optimize()d before fully_shard; FSDP2 then replaced its "
+                           "parameters (and, with dtype=bfloat16, shards bf16 tops without their fp32 residuals), "
+                           f"so the optimizer would train nothing. Start from the fp32 model: {_ORDER}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimize(): optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if optimizer is None:
+        raise ValueError("optimize(): a fully_shard model is for training here; pass its optimizer "
+                         "(optimize(model, optimizer, inplace=True)), or optimize an unsharded copy for inference")
+    if not inplace:
+        raise ValueError("optimize(): inplace=False copies the model, which FSDP2 does not support; pass "
+                         "inplace=True (the order: " + _ORDER + ")")
+    if config.sycl:
+        raise ValueError("optimize(): sycl=True is not available for fully_shard models; leave sycl unset")
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise ValueError(f"optimize(): {len(plain)} parameter(s) of the model are not sharded (e.g. {plain[0]!r}); "
+                         "call fully_shard(model, mesh=...) on the root module too, after its blocks")
+    bad = [n for n, p in model.named_parameters()
+           if p.placements != (Shard(0),) or p.device_mesh.ndim != 1 or p.dtype != torch.float32]
+    if bad:
+        raise ValueError(f"optimize(): parameter {bad[0]!r} is not an fp32 parameter sharded on dim 0 of a 1-D "
+                         "mesh; ipex_train steps FSDP2 models whose original parameters are fp32 (the shard is "
+                         "the master copy), on init_device_mesh('cpu', (world_size,))")
+    wanted = dtype if dtype in (torch.bfloat16, torch.float16) else None
+    if wanted is torch.float16:
+        raise ValueError("optimize(): dtype=torch.float16 is not available for fully_shard models; use "
+                         f"dtype=torch.bfloat16 with {_POLICY}")
+    for unit in units(model):
+        have = _param_dtype(unit)
+        have = None if have == torch.float32 else have
+        if have != wanted and wanted is torch.bfloat16:
+            raise ValueError(f"optimize(dtype=torch.bfloat16): the fully_shard unit {type(unit).__name__} computes "
+                             f"in {have or torch.float32}; FSDP2's MixedPrecisionPolicy sets the compute dtype, so "
+                             f"pass {_POLICY} to every fully_shard call")
+        if have != wanted:
+            raise ValueError(f"optimize(dtype={dtype}): the fully_shard unit {type(unit).__name__} computes in "
+                             f"{have} (its MixedPrecisionPolicy.param_dtype); pass dtype={have} to optimize(), or "
+                             "MixedPrecisionPolicy() (fp32) to fully_shard")
+    sharded.check_state_formats(user_class(optimizer), optimizer.param_groups, config.optimizer_state_dtype)
+    in_model = {id(p) for p in model.parameters()}
+    if any(id(p) not in in_model for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("optimize(): the optimizer holds parameters that are not the sharded model's; build the "
+                         f"optimizer after fully_shard ({_ORDER})")
+
+
+def prepare(model: nn.Module, optimizer, dtype, config, flags, masters: MasterWeights | None):
+    """The training optimizer for sharded ``model`` (checked by :func:`check`), the compute policy attached for
+    bf16. Returns ``(optimizer, masters)``; ``masters`` holds nothing (the shards are the fp32 truth)."""
+    if dtype == torch.bfloat16:
+        from .. import compute_policy
+
+        compute_policy.attach(model, compute_policy.resolve(config.bf16_compute))
+    if masters is None:
+        masters = MasterWeights(None, False)
+    if isinstance(optimizer, TrainingOptimizer) and optimizer._ipex_masters is masters:
+        return optimizer, masters
+    cls = user_class(optimizer)
+    fuse = flags.fuse_update_step and has_fused_step(cls)
+    new = training_optimizer(optimizer, masters, fuse, None, None)
+    new.__class__ = sharded_class(cls)
+    return new, masters

@@ -1,0 +1,194 @@
+"""The fused optimizer steps on FSDP2 shards (parameters that are DTensors sharded by ``fully_shard``), and the
+optimizer state_dict / load_state_dict of such an optimizer. Used by :mod:`ipex_train.distributed`.
+
+Each rank steps only its shard: the fused kernel runs on the local tensors of the parameters, grads and state
+(a DTensor op without a sharding rule would raise), and the state is stored back as DTensors laid out like the
+parameter (``DTensor.from_local`` with the parameter's global shape and stride), which is what DCP needs to
+reshard a checkpoint. The packed int8 state of ``state_dtype="int8"`` has no parameter shape and stays a local
+tensor (``state_dict()`` turns it into fp32 DTensors).
+
+Lamb and Lars scale each parameter's update by a ratio of whole-tensor norms, which a shard does not have: their
+step sums the shards' squares with one all_reduce per param group and mesh (every parameter's norms in one small
+tensor), then applies the rule of :mod:`ipex_train.optim._reference` to the local shards with foreach ops.
+"""
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from . import _fused, _state_formats
+from ._registry import FusedOptimizer
+from .lamb import Lamb
+from .lars import Lars
+
+# Optimizers whose update needs whole-parameter norms: stepped by _norm_step, not the per-shard kernel.
+NORM_CLASSES = (Lamb, Lars)
+
+
+def needs_norms(entry: FusedOptimizer | None) -> bool:
+    """Whether fused optimizer ``entry`` scales updates by whole-parameter norms (Lamb, Lars)."""
+    return entry is not None and issubclass(entry.optimizer_class, NORM_CLASSES)
+
+
+def check_state_formats(optimizer_class: type, groups: list[dict[str, Any]], state_dtype) -> None:
+    """Raise ValueError when reduced-byte state is asked for (``state_dtype`` or a group's key) for an optimizer
+    class whose shard step does not keep it (Lamb, Lars)."""
+    key = _state_formats.GROUP_KEY
+    asked = _state_formats.parse(state_dtype, "optimizer_state_dtype") is not None or any(
+        _state_formats.parse(g.get(key), f"param group key {key!r}") is not None for g in groups)
+    if issubclass(optimizer_class, NORM_CLASSES) and asked:
+        raise ValueError(f"optimize(): reduced-byte optimizer state is not available for {optimizer_class.__name__} "
+                         "on fully_shard models (its step needs whole-parameter norms, computed here in fp32); leave "
+                         "optimizer_state_dtype unset, or use Adam/AdamW/SGD/Adagrad")
+
+
+def _wrap(t: Tensor, p: DTensor) -> Tensor:
+    """State tensor ``t`` of the local shard of ``p`` as a DTensor like ``p`` when it has the shard's shape."""
+    if t.dim() == 0 or t.shape != p._local_tensor.shape:
+        return t  # step counters, packed int8 state
+    return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
+def _local_state(state: MutableMapping[Tensor, dict], params: list[DTensor]) -> dict[Tensor, dict]:
+    """Each parameter's state with DTensors replaced by their local tensors, keyed by the local parameter."""
+    out = {}
+    for p in params:
+        out[p._local_tensor] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state[p].items()}
+    return out
+
+
+def _store_state(state: MutableMapping[Tensor, dict], params: list[DTensor], local: dict[Tensor, dict]) -> None:
+    """Write back the entries the step created or replaced (new tensors, format changes) as DTensors."""
+    for p in params:
+        entry = state[p]
+        for key, value in local[p._local_tensor].items():
+            old = entry.get(key)
+            same = old is value or (isinstance(old, DTensor) and old._local_tensor is value)
+            if not same:
+                entry[key] = _wrap(value, p) if isinstance(value, Tensor) else value
+
+
+def step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
+         params: list[DTensor]) -> None:
+    """One step of fused optimizer ``entry`` over the sharded ``params`` of ``group`` (all with grads)."""
+    if needs_norms(entry):
+        _norm_step(entry, group, state, params)
+        return
+    local = _local_state(state, params)
+    lp = [p._local_tensor for p in params]
+    _fused.fused_step(entry, group, local, lp, [None] * len(lp), [p.grad._local_tensor for p in params])
+    _store_state(state, params, local)
+
+
+def _by_mesh(params: list[DTensor]) -> dict[Any, list[int]]:
+    groups: dict[Any, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(p.device_mesh, []).append(i)
+    return groups
+
+
+def _global_norms(params: list[DTensor], a: list[Tensor], b: list[Tensor]) -> tuple[list[float], list[float]]:
+    """Whole-parameter norms of the sharded tensors ``a[i]`` and ``b[i]`` (local parts of ``params[i]``): the
+    shards' sums of squares in fp64, one all_reduce per mesh."""
+    sq = torch.zeros(2, len(params), dtype=torch.float64)
+    if params:
+        sq[0] = torch.stack(torch._foreach_norm([t.double() for t in a])).square()
+        sq[1] = torch.stack(torch._foreach_norm([t.double() for t in b])).square()
+    for mesh, idx in _by_mesh(params).items():
+        part = sq[:, idx].contiguous()
+        dist.all_reduce(part, group=mesh.get_group())
+        sq[:, idx] = part
+    norms = sq.sqrt()
+    return norms[0].tolist(), norms[1].tolist()
+
+
+def _norm_step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
+               params: list[DTensor]) -> None:
+    """Lamb / Lars on shards with whole-parameter norms (the rule of ipex_train.optim._reference)."""
+    if _state_formats.parse(group.get(_state_formats.GROUP_KEY), "state_dtype") is not None:
+        raise RuntimeError(f"{entry.optimizer_class.__name__}: reduced-byte optimizer state (state_dtype="
+                           f"{group[_state_formats.GROUP_KEY]!r}) is not available for Lamb/Lars on fully_shard "
+                           "parameters; use fp32 state (optimizer_state_dtype=None) or Adam/AdamW/SGD/Adagrad")
+    local = _local_state(state, params)
+    lp = [p._local_tensor for p in params]
+    grads = [p.grad._local_tensor for p in params]
+    lists = _fused.state_lists(entry, group, local, lp)
+    rule = _lamb if issubclass(entry.optimizer_class, Lamb) else _lars
+    rule(group, lp, grads, lists, params)
+    _store_state(state, params, local)
+
+
+def _lamb(group: dict[str, Any], w: list[Tensor], g: list[Tensor], lists: dict[str, list], params) -> None:
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+    m, v = lists["exp_avg"], lists["exp_avg_sq"]
+    torch._foreach_mul_(m, beta1)
+    torch._foreach_add_(m, g, alpha=1 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+    steps = torch.stack([s.reshape(()) for s in lists["step"]]).double().tolist()
+    bc1 = [1 - beta1 ** s if group["bias_correction"] else 1.0 for s in steps]
+    bc2 = [1 - beta2 ** s if group["bias_correction"] else 1.0 for s in steps]
+    denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(v, bc2)), eps)
+    u = torch._foreach_div(torch._foreach_div(m, bc1), denom)
+    if wd:
+        torch._foreach_add_(u, w, alpha=wd)
+    w_norms, u_norms = _global_norms(params, w, u)
+    scale = [-lr * (a / b if a > 0 and b > 0 else 1.0) for a, b in zip(w_norms, u_norms)]
+    torch._foreach_add_(w, torch._foreach_mul(u, scale))
+
+
+def _lars(group: dict[str, Any], w: list[Tensor], g: list[Tensor], lists: dict[str, list], params) -> None:
+    lr, momentum, wd = float(group["lr"]), float(group["momentum"]), float(group["weight_decay"])
+    eeta, epsilon = float(group["eeta"]), float(group["epsilon"])
+    w_norms, g_norms = _global_norms(params, w, g)
+    scale = [lr * (eeta * a / (b + wd * a + epsilon) if a > 0 and b > 0 else 1.0) for a, b in zip(w_norms, g_norms)]
+    buf = lists["momentum_buffer"]
+    d = torch._foreach_add(g, w, alpha=wd) if wd else [t.clone() for t in g]
+    torch._foreach_mul_(buf, momentum)
+    torch._foreach_add_(buf, torch._foreach_mul(d, scale))
+    torch._foreach_sub_(w, buf)
+
+
+def _fp32(value: Tensor, p: Tensor) -> Tensor:
+    """State ``value`` of parameter ``p`` as an fp32 DTensor laid out like ``p`` (``value`` itself when it is)."""
+    if isinstance(value, DTensor) and value.dtype != torch.bfloat16:
+        return value
+    shard = value._local_tensor if isinstance(value, DTensor) else value
+    if not isinstance(p, DTensor):
+        return _state_formats.decode(shard, p)
+    decoded = _state_formats.decode(shard, p._local_tensor)
+    return DTensor.from_local(decoded, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                              run_check=False)
+
+
+def state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """torch's ``Optimizer.state_dict`` of ``optimizer`` with every state tensor as an fp32 DTensor (reduced-byte
+    state decoded shard by shard): what ``torch.distributed.checkpoint`` saves and reshards."""
+    packed = torch.optim.Optimizer.state_dict(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, entry in packed["state"].items():
+        p = params[index]
+        state[index] = {k: _fp32(v, p) if isinstance(v, Tensor) and k != "step" else v for k, v in entry.items()}
+    return {**packed, "state": state}
+
+
+def load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load as torch does, keeping the param group dicts the same objects and each group's own ``state_dtype``
+    (the checkpoint's state is fp32; the next step stores it in the group's format, which gives back the saved
+    bits: bf16 and int8 state decode and re-encode exactly)."""
+    groups = optimizer.param_groups
+    settings = _state_formats.own_settings(groups)
+    torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
+    for old, new in zip(groups, optimizer.param_groups):
+        if old is not new:
+            old.clear()
+            old.update(new)
+    optimizer.param_groups = groups
+    _state_formats.restore_settings(groups, settings)
