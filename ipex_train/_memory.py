@@ -48,6 +48,10 @@ class MemoryReport:
     step_in_backward: grads are freed inside backward; largest_grad is then the biggest single grad (the most
     one parameter holds at a time). On a model sharded with FSDP2 the bytes are this rank's (its shards) and
     ``parameters`` counts the whole model, so :meth:`per_parameter` is bytes per parameter per rank.
+    frozen_parameters / frozen_weights / frozen_truth: the elements, stored bytes
+    and truth bytes of the parameters with requires_grad=False (included in the totals above; frozen parameters
+    have no grads and no optimizer state), so that :meth:`per_trainable` and :meth:`per_frozen` can tell a LoRA
+    base model's cost from its adapters'.
     """
 
     parameters: int
@@ -59,6 +63,9 @@ class MemoryReport:
     state_unknown_elements: int
     step_in_backward: bool
     largest_grad: int
+    frozen_parameters: int = 0
+    frozen_weights: int = 0
+    frozen_truth: int = 0
 
     @property
     def state(self) -> int:
@@ -76,9 +83,23 @@ class MemoryReport:
         return {"weights": self.weights / n, "truth": self.truth / n, "grads": self.grads / n,
                 "state": self.state / n, "total": self.total / n}
 
+    def per_trainable(self) -> float:
+        """Bytes per trainable parameter element: its weight, truth, grad and optimizer state."""
+        frozen = self.frozen_weights + self.frozen_truth
+        return (self.total - frozen) / max(1, self.parameters - self.frozen_parameters)
+
+    def per_frozen(self) -> dict[str, float]:
+        """Bytes per frozen parameter element: weights, truth and their total."""
+        n = max(1, self.frozen_parameters)
+        return {"weights": self.frozen_weights / n, "truth": self.frozen_truth / n,
+                "total": (self.frozen_weights + self.frozen_truth) / n}
+
     def to_dict(self) -> dict:
-        """The fields, the state and total bytes and :meth:`per_parameter`, as plain values (JSON-ready)."""
-        return dict(asdict(self), state=self.state, total=self.total, bytes_per_parameter=self.per_parameter())
+        """The fields, the state and total bytes, :meth:`per_parameter`, :meth:`per_trainable` and
+        :meth:`per_frozen`, as plain values (JSON-ready)."""
+        return dict(asdict(self), state=self.state, total=self.total, bytes_per_parameter=self.per_parameter(),
+                    bytes_per_trainable_parameter=self.per_trainable(),
+                    bytes_per_frozen_parameter=self.per_frozen())
 
     def __str__(self) -> str:
         per = self.per_parameter()
@@ -88,6 +109,12 @@ class MemoryReport:
         line = (f"ipex_train memory: {per['total']:.2f} bytes/param ({self.total / 2 ** 20:.1f} MiB for "
                 f"{self.parameters / 1e6:.2f}M params) = weights {per['weights']:.2f} + fp32 truth "
                 f"{per['truth']:.2f} + grads {grads} + optimizer state {per['state']:.2f} ({basis})")
+        if self.frozen_parameters:
+            frozen = self.per_frozen()
+            line += (f"; {(self.parameters - self.frozen_parameters) / 1e6:.3g}M trainable at "
+                     f"{self.per_trainable():.2f} bytes/param, {self.frozen_parameters / 1e6:.3g}M frozen at "
+                     f"{frozen['total']:.2f} bytes/param (weights {frozen['weights']:.2f} + fp32 truth "
+                     f"{frozen['truth']:.2f})")
         if self.state_unknown_elements:
             line += f"; state of {self.state_unknown_elements} elements known after the first step"
         return line
@@ -117,12 +144,17 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
                 found = [v for v in optimizer.state.get(p, {}).values() if isinstance(v, Tensor)]
                 if found:
                     measured += sum(_nbytes(v) for v in found)
+                elif not p.requires_grad:  # torch makes no state for a parameter that never has a grad
+                    continue
                 elif entry is not None:
                     predicted += int(len(states) * local(p).numel() * state_bytes_per_element(local(p), group))
                 else:
                     unknown += p.numel()
+    frozen = [p for p in params if not p.requires_grad]
     return MemoryReport(
         parameters=sum(p.numel() for p in params), weights=sum(_nbytes(p) for p in params),
         truth=sum(_nbytes(aux[p]) for p in params if p in aux), grads=0 if release else sum(grad_sizes),
         state_measured=measured, state_predicted=predicted, state_unknown_elements=unknown,
-        step_in_backward=release, largest_grad=max(grad_sizes, default=0) if release else 0)
+        step_in_backward=release, largest_grad=max(grad_sizes, default=0) if release else 0,
+        frozen_parameters=sum(p.numel() for p in frozen), frozen_weights=sum(_nbytes(p) for p in frozen),
+        frozen_truth=sum(_nbytes(aux[p]) for p in frozen if p in aux))

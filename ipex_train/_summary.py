@@ -53,7 +53,10 @@ class OptimizeSummary:
     onednn_fusion: inference only, whether torch's TorchScript oneDNN Graph fusion switch is on.
     step_in_backward: training, each parameter is stepped inside backward (optimize(step_in_backward=True)).
     fp32_compute_convs: under the native policy, the depthwise convs it computes in fp32
-    (:func:`ipex_train.compute_policy.slow_bf16_depthwise`).
+    (:func:`ipex_train.compute_policy.slow_bf16_depthwise`). frozen_tensors / frozen_elements: parameters with
+    requires_grad=False (a LoRA base model); frozen_without_truth_elements: those held in low precision without an
+    fp32 truth (already bf16/fp16, or rounded with frozen_weights="low_precision"); frozen_weights: training, the
+    optimize() option ("lossless" or "low_precision").
     """
 
     mode: str
@@ -68,6 +71,10 @@ class OptimizeSummary:
     onednn_fusion: bool | None
     step_in_backward: bool = False
     fp32_compute_convs: int = 0
+    frozen_tensors: int = 0
+    frozen_elements: int = 0
+    frozen_without_truth_elements: int = 0
+    frozen_weights: str | None = None
 
     @property
     def kept_tensors(self) -> int:
@@ -101,6 +108,10 @@ class OptimizeSummary:
             step = f"fused {self.fused_step} step" if self.fused_step else "own (unfused) step"
             parts.append(f"{self.optimizer}: {step}{' on SYCL' if self.sycl else ''}"
                          f"{' inside backward' if self.step_in_backward else ''}")
+            if self.frozen_tensors:
+                parts.append(f"frozen_weights={self.frozen_weights}: {self.frozen_tensors} frozen params "
+                             f"({_count(self.frozen_elements)} elements), "
+                             f"{_count(self.frozen_without_truth_elements)} of them stored without an fp32 truth")
         else:
             parts.append(f"TorchScript oneDNN fusion {'on' if self.onednn_fusion else 'off'}")
         return "; ".join(parts)
@@ -175,6 +186,8 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     training = optimizer is not None or masters is not None
     entry = fused_entry(optimizer) if optimizer is not None else None
     fused, sycl = (entry.name if entry is not None else None), step_backend(optimizer) is not None
+    frozen = [p for p in found if not p.requires_grad]
+    aux = masters.aux if masters is not None else {}
     return OptimizeSummary(
         mode="training" if training else "inference",
         dtype=str(low).replace("torch.", "") if low is not None else None,
@@ -185,7 +198,11 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
         onednn_fusion=None if training else torch.jit.onednn_fusion_enabled(),
         step_in_backward=isinstance(optimizer, TrainingOptimizer) and optimizer.step_in_backward,
         fp32_compute_convs=sum(map(compute_policy.slow_bf16_depthwise, model.modules()))
-        if handle is not None and handle.policy == "native" else 0)
+        if handle is not None and handle.policy == "native" else 0,
+        frozen_tensors=len(frozen), frozen_elements=sum(local(p).numel() for p in frozen),
+        frozen_without_truth_elements=sum(local(p).numel() for p in frozen if p.dtype in LOW_PRECISION and p not in aux),
+        frozen_weights=(("low_precision" if masters.frozen_low_precision else "lossless")
+                        if masters is not None else None))
 
 
 def record(model: nn.Module, optimizer: torch.optim.Optimizer | None, dtype: torch.dtype | None) -> None:

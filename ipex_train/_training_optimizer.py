@@ -94,6 +94,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
             self._ipex_release.close_step(p for g in self.param_groups for p in g["params"])
         else:
             with torch.no_grad():
+                self._ensure_truth([p for g in self.param_groups for p in g["params"] if p.grad is not None])
                 unfused = []
                 for group in self.param_groups:
                     unfused += self._fused_part(group, [p for p in group["params"] if p.grad is not None])
@@ -118,9 +119,17 @@ class TrainingOptimizer(torch.optim.Optimizer):
 
     def _ipex_step_params(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """Step ``params`` of ``group`` alone (the step-in-backward hook); under no_grad."""
+        self._ensure_truth(params)
         rest = self._fused_part(group, params)
         if rest:
             self._unfused_step(rest)
+
+    def _ensure_truth(self, params: list[Tensor]) -> None:
+        # Parameters frozen at optimize() have no fp32 truth; one unfrozen since gets it before its first step (or
+        # the step raises, before anything is stepped, for one whose fp32 value was dropped).
+        given = self._ipex_masters.ensure_truth(params)
+        if given and self._ipex_sycl is not None:
+            self._ipex_sycl.place_params(self._ipex_masters, given)
 
     step = torch.optim.Optimizer.profile_hook_step(_step)
     step.hooked = True

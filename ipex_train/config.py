@@ -20,6 +20,7 @@ from .optim import _state_formats
 DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 LEVELS = ("O0", "O1")
 BF16_COMPUTE = ("native", "emulated")
+FROZEN_WEIGHTS = ("lossless", "low_precision")
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
                 "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
 _WHERE = "optimize()"
@@ -62,6 +63,8 @@ class OptimizeConfig:
         step_in_backward: step each parameter inside backward and free its grad (None: off).
         optimizer_state_dtype: None/torch.float32 (fp32 optimizer state), torch.bfloat16 or "int8" (reduced-byte
             state; stored as None, torch.bfloat16 or "int8").
+        frozen_weights: None/"lossless" (frozen fp32 weights keep their fp32 truth) or "low_precision" (frozen fp32
+            weights are held in the low-precision dtype only); stored lower case, "lossless" as None.
 
     Raises :class:`TypeError` for a value of the wrong type (a non-bool flag) and ValueError for a value that is
     not accepted, naming the field.
@@ -79,6 +82,7 @@ class OptimizeConfig:
     sycl: bool | None = None
     step_in_backward: bool | None = None
     optimizer_state_dtype: torch.dtype | str | None = None
+    frozen_weights: str | None = None
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
@@ -95,6 +99,8 @@ class OptimizeConfig:
             # compute_policy names the accepted values when the policy is resolved; stored normalised here.
             text = self.bf16_compute.strip().lower()
             object.__setattr__(self, "bf16_compute", None if text == "auto" else text)
+        frozen = _options.parse_choice(self.frozen_weights, FROZEN_WEIGHTS, f"{_WHERE}: frozen_weights")
+        object.__setattr__(self, "frozen_weights", None if frozen == "lossless" else frozen)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **options: Any) -> OptimizeConfig:
@@ -104,7 +110,8 @@ class OptimizeConfig:
         environment), else the field's default.
 
         Environment spellings: dtype bf16/bfloat16, fp32/float32, fp16/float16 or auto; level O0/O1 (any case);
-        flags 1/0, true/false, yes/no, on/off or auto; bf16_compute auto/native/emulated. Raises ValueError naming
+        flags 1/0, true/false, yes/no, on/off or auto; bf16_compute auto/native/emulated; frozen_weights
+        lossless/low_precision. Raises ValueError naming
         the option or the variable for a value it does not accept (TypeError for an option of the wrong type).
         """
         unknown = sorted(set(options) - set(FIELDS))
@@ -165,6 +172,8 @@ def _parse(name: str, value: Any, where: str) -> Any:
         return _options.parse_choice(value, LEVELS, where, upper=True)
     if name == "bf16_compute":
         return _options.parse_choice(value, BF16_COMPUTE, where)
+    if name == "frozen_weights":
+        return _options.parse_choice(value, FROZEN_WEIGHTS, where)
     if name == "optimizer_state_dtype":
         return _state_formats.public(_state_formats.parse(value, where))
     return _options.parse_bool(value, where)

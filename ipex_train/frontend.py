@@ -138,10 +138,12 @@ def _set_state_dtype(optimizer: TrainingOptimizer, state_dtype) -> None:
     optimizer.defaults.setdefault(_state_formats.GROUP_KEY, state_dtype)  # for add_param_group
 
 
-def _convert(model: nn.Module, dtype: torch.dtype | None, flags: Flags, keep_fp32_truth: bool) -> MasterWeights:
-    """Low precision (with fp32 truth when ``keep_fp32_truth``) and channels-last, in place on ``model``."""
+def _convert(model: nn.Module, dtype: torch.dtype | None, flags: Flags, keep_fp32_truth: bool,
+             frozen_low_precision: bool = False) -> MasterWeights:
+    """Low precision (with fp32 truth when ``keep_fp32_truth``, except for frozen parameters with
+    ``frozen_low_precision``) and channels-last, in place on ``model``."""
     low = dtype if dtype in LOW_PRECISION else None
-    masters = MasterWeights(low, flags.split_master_weight_for_bf16)
+    masters = MasterWeights(low, flags.split_master_weight_for_bf16, frozen_low_precision)
     formats = _channels_last.memory_formats(model) if flags.auto_channels_last else {}
     with torch.no_grad():
         for p in convertible_parameters(model) if low is not None else []:
@@ -209,7 +211,8 @@ def _optimize_sharded(model: nn.Module, optimizer, config: OptimizeConfig, inpla
 def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_bn_folding=None,
              linear_bn_folding=None, replace_dropout_with_identity=None, split_master_weight_for_bf16=None,
              fuse_update_step=None, auto_channels_last=None, sample_input=None, bf16_compute=None, sycl=None, *,
-             step_in_backward=None, optimizer_state_dtype=None, config: OptimizeConfig | None = None):
+             step_in_backward=None, optimizer_state_dtype=None, frozen_weights=None,
+             config: OptimizeConfig | None = None):
     """Prepare ``model`` (and ``optimizer``) for fast CPU training, or ``model`` alone for inference.
 
     Training (``model.training`` and an optimizer): returns ``(model, optimizer)``; use both in an unchanged
@@ -258,6 +261,13 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             embeddings); parameters under 4096 elements keep fp32 state. Needs a fused step, on the CPU or with
             sycl (not with fuse_update_step=False or an optimizer without one). state_dict() still holds fp32 state;
             load_state_dict() re-encodes it in each group's own state_dtype (not the checkpoint's).
+        frozen_weights: training only; how parameters with requires_grad=False at this call (a LoRA/peft base
+            model) are held. A frozen weight already in bf16/fp16 is kept as it is, without residual or master,
+            whatever this says. None/"lossless" (default): a frozen fp32 weight that goes low precision keeps its
+            exact fp32 value (bf16 + int16 residual), as trainable ones do. "low_precision": it is held in ``dtype``
+            alone (2 bytes instead of 4 with bf16): state_dict() then holds that rounded bf16 value, and stepping
+            it later (after setting requires_grad=True) raises RuntimeError. The summary and memory lines count
+            frozen parameters separately.
         config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through sycl), instead of
             passing them one by one; a keyword argument given next to it must agree with it.
 
@@ -273,7 +283,7 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
                      split_master_weight_for_bf16=split_master_weight_for_bf16, fuse_update_step=fuse_update_step,
                      auto_channels_last=auto_channels_last, bf16_compute=bf16_compute, sycl=sycl,
                      step_in_backward=step_in_backward,
-                     optimizer_state_dtype=optimizer_state_dtype)
+                     optimizer_state_dtype=optimizer_state_dtype, frozen_weights=frozen_weights)
     if config is None:
         config = OptimizeConfig(**shorthand)
     elif not isinstance(config, OptimizeConfig):
@@ -327,7 +337,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
         param_map = {p: memo[id(p)] for p in originals}
     masters = _record.masters(model)
     if masters is None:
-        masters = _convert(model, dtype, flags, keep_fp32_truth=True)
+        masters = _convert(model, dtype, flags, keep_fp32_truth=True,
+                           frozen_low_precision=config.frozen_weights == "low_precision")
         for p in model.parameters():
             masters.adopt(p)
         masters.register_hooks(model)
@@ -337,6 +348,10 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             from .integrations.transformers import keep_fp32_checkpoints
 
             keep_fp32_checkpoints(model)
+        if "peft" in sys.modules:  # only then can the model hold peft tuners
+            from .integrations.peft import keep_adapter_storage
+
+            keep_adapter_storage(model, masters)
     if backend is not None:
         backend.place_params(masters, model.parameters())
     cls = user_class(optimizer)

@@ -11,7 +11,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -154,7 +154,7 @@ def _child(fn, args, queue):
     try:
         result = fn(args)
         result.peak_rss_mib = peak_rss_mib()
-        queue.put(("ok", asdict(result)))
+        queue.put(("ok", result))
     except BaseException as e:  # report the failure to the parent instead of hanging it
         import traceback
 
@@ -162,7 +162,8 @@ def _child(fn, args, queue):
 
 
 def run_isolated(fn: Callable[[argparse.Namespace], RunResult], args: argparse.Namespace) -> RunResult:
-    """Run ``fn(args)`` in a fresh process so its peak memory is its own; re-raises its error here."""
+    """Run ``fn(args)`` in a fresh process so its peak memory is its own; re-raises its error here. ``fn`` returns a
+    RunResult (or a subclass defined at module level: the object comes back pickled)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(fn, args, queue))
@@ -171,7 +172,7 @@ def run_isolated(fn: Callable[[argparse.Namespace], RunResult], args: argparse.N
     proc.join()
     if status != "ok":
         raise RuntimeError(f"recipe run failed in its subprocess:\n{payload}")
-    return RunResult(**payload)
+    return payload
 
 
 def machine() -> dict:

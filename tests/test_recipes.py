@@ -240,3 +240,23 @@ def test_fsdp_recipe_two_processes(tmp_path):
     _check_losses(data["runs"][0]["losses"])
     _check_png(png)
     assert (ckpt / ".metadata").exists()
+
+
+@pytest.mark.parametrize("mode,variants", [("lora", "torch,ipex-int8-sib-ckpt"), ("full", "ipex-int8-sib"),
+                                           ("trainer", "ipex")])
+def test_llm_finetune(tmp_path, mode, variants):
+    out = _run(["-m", "recipes.llm_finetune", "--size", "tiny", "--mode", mode, "--variants", variants, "--steps",
+                str(STEPS), "--batch-size", "2", "--seq-len", "16", "--corpus-mib", "1", "--no-progress", "--out",
+                str(tmp_path)])
+    assert "tokens/s" in out
+    data = json.loads((tmp_path / "metrics.json").read_text())
+    assert data["recipe"] == "llm_finetune"
+    assert [r["name"] for r in data["runs"]] == variants.split(",")
+    for r in data["runs"]:
+        _check_losses(r["losses"])
+        assert r["tokens_per_s"] > 0 and r["peak_rss_added_mib"] >= 0
+        assert (r["parameters"] == r["trainable"]) if mode == "full" else (r["parameters"] > r["trainable"] > 0)
+        assert r["memory_report"]["trainable"] > 0
+        if mode != "full" and r["name"].startswith("ipex"):
+            assert r["memory_report"]["frozen"] == pytest.approx(2.0)  # the bf16 base: no residual
+    _check_png(tmp_path / "llm_finetune.png")
