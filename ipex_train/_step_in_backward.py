@@ -10,7 +10,16 @@ What follows from stepping during backward:
 * ``optimizer.step()`` steps nothing (it runs a closure and returns its loss, and closes the step: see below);
   ``zero_grad()`` is harmless. LR schedulers work: the hook reads ``group["lr"]`` when it runs.
 * One backward is one optimizer step. A second backward reaching a parameter already stepped since the last
-  ``optimizer.step()`` raises RuntimeError: gradient accumulation over several backwards is not possible.
+  ``optimizer.step()`` raises RuntimeError (and drops that grad): gradient accumulation over several backwards is
+  not possible. A backward that raised part way (a tensor hook, an error in the graph) has stepped the parameters
+  it reached; retrying it steps the others and skips those (every parameter is stepped once per optimizer step),
+  and ``optimizer.step()`` instead ends the step as it stands, with a warning (:class:`GradientRelease`).
+* Parameters frozen (``requires_grad=False``) when the mode was turned on cannot be hooked: once unfrozen, the
+  next ``optimizer.step()`` steps them from the grads backward left (as the normal step does) and hooks them.
+* Only optimizers whose step updates each parameter from its own grad and state can step one parameter at a time:
+  the fused optimizers, torch.optim's per-parameter classes and subclasses that keep their step, and classes that
+  declare ``per_parameter_step = True``. Any other (its step may use a global grad norm) is refused with
+  ValueError, as is torch.optim.LBFGS.
 * Clipping by the global grad norm is not possible: every grad is gone by the time backward returns, so
   ``torch.nn.utils.clip_grad_norm_`` would see no grads and return 0. While any parameter is stepped inside
   backward, ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` raise RuntimeError when given one of them
@@ -23,24 +32,56 @@ What follows from stepping during backward:
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import weakref
 
 import torch
 from torch import Tensor
+from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
 # Optimizer classes whose step cannot run one parameter at a time.
 _PER_PARAM_IMPOSSIBLE = {torch.optim.LBFGS: "it re-evaluates the closure and steps all parameters together"}
+# torch.optim classes whose step updates each parameter from its own grad and state only (their subclasses keeping
+# that step too); the fused optimizers of the registry are per parameter as well.
+_PER_PARAM_TORCH = tuple(cls for cls in (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
+    torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+    torch.optim.Rprop, torch.optim.SparseAdam, getattr(torch.optim, "Adafactor", None),
+    getattr(torch.optim, "Muon", None)) if cls is not None)
+# The class attribute by which a custom optimizer declares that its step reads each parameter's own grad and state
+# only (no global grad norm, no statistics over all parameters), so stepping one parameter at a time is its step.
+PER_PARAMETER_ATTR = "per_parameter_step"
 
 
-def check_supported(optimizer_class: type) -> None:
-    """Raise ValueError when ``optimizer_class`` cannot step one parameter at a time (torch.optim.LBFGS)."""
+def _keeps_step(optimizer_class: type, base: type) -> bool:
+    # Optimizer.__init__ wraps a class's step once with its hook runner (functools.wraps): compare the functions.
+    return inspect.unwrap(optimizer_class.step) is inspect.unwrap(base.step)
+
+
+def check_supported(optimizer_class: type, fused: bool) -> None:
+    """Raise ValueError unless ``optimizer_class``'s step can run one parameter at a time: refused for
+    torch.optim.LBFGS; accepted for the fused optimizers (``fused``: a fused kernel steps the class), the
+    per-parameter torch.optim classes (and subclasses that keep their step), and classes that set
+    ``per_parameter_step = True``. Any other step may read every parameter at once (a global grad norm, a trust
+    ratio over all layers), which stepping inside backward would silently change."""
     for base in optimizer_class.__mro__:
         if base in _PER_PARAM_IMPOSSIBLE:
             raise ValueError(f"optimize(step_in_backward=True): {optimizer_class.__name__} cannot step inside "
                              f"backward: {_PER_PARAM_IMPOSSIBLE[base]}; use step_in_backward=False")
+    if fused or getattr(optimizer_class, PER_PARAMETER_ATTR, False) is True:
+        return
+    if any(base in _PER_PARAM_TORCH and _keeps_step(optimizer_class, base) for base in optimizer_class.__mro__):
+        return
+    raise ValueError(f"optimize(step_in_backward=True): {optimizer_class.__name__} has its own step, which may read "
+                     "several parameters' grads at once (a global grad norm, statistics over all parameters); inside "
+                     "backward each parameter is stepped alone, as soon as its grad is ready, which would change "
+                     f"that step silently. Accepted: the fused optimizers, torch.optim's per-parameter classes "
+                     f"({', '.join(c.__name__ for c in _PER_PARAM_TORCH)}) and subclasses keeping their step, or a "
+                     f"class declaring {PER_PARAMETER_ATTR} = True when its step reads each parameter's own grad and "
+                     "state only; else use step_in_backward=False")
 
 
 # Parameter -> weak reference to the optimizer stepping it inside backward (weak keys: a parameter freed with its
@@ -102,45 +143,98 @@ def _hook(ref: weakref.ref, group: dict, p: Tensor) -> None:
     release = None if optimizer is None else optimizer._ipex_release
     if release is None:  # the optimizer is gone or turned the mode off: the grad stays, as without hooks
         return
+    release.enter_backward()
     if id(p) in release.stepped:
+        p.grad = None  # not used: leaving it would make step() blame grads set by hand
+        if not release.completed:
+            return  # the retry of an interrupted backward: that backward already stepped p in this step
         raise RuntimeError("step_in_backward: a second backward reached a parameter already stepped since the last "
                            "optimizer.step(); each backward is one optimizer step in this mode, so gradient "
                            "accumulation over several backwards is not possible. Call optimizer.step() after each "
                            "backward, sum the losses before one backward, or use step_in_backward=False")
+    try:
+        with torch.no_grad():
+            optimizer._ipex_step_params(group, [p])
+    finally:
+        p.grad = None  # stepped; or not, and a retried backward must not add its grad to this one
     release.stepped.add(id(p))
-    with torch.no_grad():
-        optimizer._ipex_step_params(group, [p])
-    p.grad = None
+
+
+def _finished(ref: weakref.ref) -> None:
+    release = ref()
+    if release is not None:
+        release.completed = True
 
 
 class GradientRelease:
-    """The hooks of one optimizer in step-in-backward mode, and the parameters stepped since its last step()."""
+    """The hooks of one optimizer in step-in-backward mode, and where its current step stands: the parameters
+    stepped since its last step(), and whether a backward that stepped them ran to its end.
+
+    A backward that raises part way (a tensor hook, an error in the loss's graph) has stepped the parameters whose
+    grads were ready before the error and not the others. The step is then completed by the next backward (the
+    retry): it steps the parameters not stepped yet and drops the grads of those already stepped, so every
+    parameter is stepped once per optimizer step. optimizer.step() called instead ends the step as it stands (a
+    warning says how many parameters the interrupted backward stepped).
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self._ref = weakref.ref(optimizer)
         self._handles: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self.stepped: set[int] = set()
+        self.completed = False  # a backward that stepped parameters ran to its end since the last step()
+        self._task: int | None = None  # the autograd graph task of the latest backward that reached a hook
         _wrap_clipping()
         for group in optimizer.param_groups:
             self.add_group(group)
 
+    def enter_backward(self) -> None:
+        """Called by each hook: at the first hook of a backward, ask autograd to mark its end (its final callbacks
+        run only when the whole backward succeeds)."""
+        task = torch._C._current_graph_task_id()
+        if task < 0:  # not run by the autograd engine: its end cannot be seen, so a further backward is refused
+            self.completed = True
+        elif task != self._task:
+            self._task = task
+            Variable._execution_engine.queue_callback(functools.partial(_finished, weakref.ref(self)))
+
     def add_group(self, group: dict) -> None:
-        """Hook the parameters of ``group`` (a param group dict of the optimizer) that are not hooked yet."""
+        """Hook the parameters of ``group`` (a param group dict of the optimizer) that are not hooked yet and
+        require grad (a frozen parameter cannot be hooked: step() hooks it once it requires grad)."""
         for p in group["params"]:
             if id(p) not in self._handles and p.requires_grad:
                 self._handles[id(p)] = p.register_post_accumulate_grad_hook(functools.partial(_hook, self._ref, group))
                 _released[p] = self._ref
 
-    def close_step(self, params) -> None:
-        """optimizer.step(): raise for grads left on ``params`` (nothing steps them), then start the next step."""
-        stray = [p for p in params if p.grad is not None]
+    def close_step(self) -> None:
+        """optimizer.step(): raise for grads left on hooked parameters (nothing steps them); step the parameters
+        that had no hook (frozen when the mode was turned on, unfrozen since: their grads come from this backward)
+        and hook them; then start the next step."""
+        optimizer = self._ref()
+        groups = optimizer.param_groups
+        late = {id(p) for g in groups for p in g["params"] if id(p) not in self._handles and p.requires_grad}
+        stray = [p for g in groups for p in g["params"] if p.grad is not None and id(p) not in late]
         if stray:
             raise RuntimeError(f"step_in_backward: {len(stray)} parameter(s) have a .grad at optimizer.step(), but in "
                                "this mode backward steps each parameter and frees its grad, and step() steps nothing "
                                "(grads set by hand, or left from before the mode was turned on, are not used; "
                                "clipping by global norm is not possible). Set them to None, or turn the mode off "
                                "with optimizer.set_step_in_backward(False)")
+        if self.stepped and not self.completed:
+            logging.getLogger("ipex_train").warning(
+                "step_in_backward: optimizer.step() after a backward that raised: it had stepped %d parameter(s), the "
+                "others are not stepped in this step (retrying the backward before step() would have stepped them)",
+                len(self.stepped))
+        for group in groups:
+            ready = [p for p in group["params"] if id(p) in late and p.grad is not None]
+            if ready:
+                with torch.no_grad():
+                    optimizer._ipex_step_params(group, ready)
+                for p in ready:
+                    p.grad = None
+            if any(id(p) in late for p in group["params"]):
+                self.add_group(group)
         self.stepped.clear()
+        self.completed = False
 
     def remove(self) -> None:
         """Remove every hook."""

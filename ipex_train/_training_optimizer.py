@@ -37,7 +37,7 @@ from torch import Tensor
 
 from . import _step_in_backward
 from ._master_weights import MasterWeights
-from .optim import _fused, _registry, _state_formats
+from .optim import _fused, _loaded_state, _registry, _state_formats
 from .optim._registry import unhooked
 
 
@@ -91,7 +91,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._ipex_release is not None:
-            self._ipex_release.close_step(p for g in self.param_groups for p in g["params"])
+            self._ipex_release.close_step()
         else:
             with torch.no_grad():
                 self._ensure_truth([p for g in self.param_groups for p in g["params"] if p.grad is not None])
@@ -145,7 +145,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         if not isinstance(enabled, bool):
             raise TypeError(f"set_step_in_backward(): enabled must be True or False, got {enabled!r}")
         if enabled and self._ipex_release is None:
-            _step_in_backward.check_supported(self._user_class)
+            _step_in_backward.check_supported(self._user_class, self._fused_entry is not None)
             self._ipex_release = _step_in_backward.GradientRelease(self)
         elif not enabled and self._ipex_release is not None:
             self._ipex_release.remove()
@@ -192,6 +192,9 @@ class TrainingOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"add_param_group(): param group key {key!r} is {param_group.get(key)!r}, but "
                                  f"reduced-byte state needs the fused step, which this {self._user_class.__name__} "
                                  "does not run (use state_dtype=torch.float32 or leave the key out)")
+            if param_group.get("differentiable", self.defaults.get("differentiable", False)):
+                raise ValueError("add_param_group(): param group key 'differentiable' is True, but this optimizer "
+                                 "steps under torch.no_grad(); leave it False")
         super().add_param_group(param_group)
         params = self.param_groups[-1]["params"]
         for p in params:
@@ -202,29 +205,38 @@ class TrainingOptimizer(torch.optim.Optimizer):
             self._ipex_release.add_group(self.param_groups[-1])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load as torch does, keeping the optimizer state fp32 and the param group dicts the same objects."""
+        """Load as torch does, keeping the optimizer state fp32 and the param group dicts the same objects.
+
+        For the fused optimizers' classes the checkpoint's state is checked first (:mod:`._loaded_state`: a
+        parameter's entry is empty or complete, ``step`` >= 0, state tensors shaped like their parameter); a load
+        that raises leaves the optimizer as it was."""
         groups, state = self.param_groups, self.state
+        if self._fused_entry is not None:
+            _loaded_state.check_checkpoint(self._fused_entry, state_dict, groups,
+                                           f"{self._user_class.__name__}.load_state_dict()")
         settings = _state_formats.own_settings(groups)
         super().load_state_dict(state_dict)
-        for old, new in zip(groups, self.param_groups):
-            if old is not new:
-                old.clear()
-                old.update(new)
-        _state_formats.restore_settings(groups, settings)  # this optimizer's state_dtype, not the checkpoint's
-        loaded, self.param_groups, self.state = self.state, groups, state
-        state.clear()
-        state.update(loaded)
+        # The new state is built aside and committed last, so that an error on the way changes nothing.
+        new_groups, loaded = self.param_groups, self.state
+        self.param_groups, self.state = groups, state
+        _state_formats.restore_settings(new_groups, settings)  # this optimizer's state_dtype, not the checkpoint's
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         id_map = dict(zip(saved_ids, chain.from_iterable(g["params"] for g in groups)))
         for saved_id, entry in state_dict["state"].items():
             p = id_map.get(saved_id)
             if p is not None:
-                state[p] = _normalised(entry, p, clone=False)
+                loaded[p] = _normalised(entry, p, clone=False)
         if fused_entry(self) is not None:
-            _fused.store_state_formats(fused_entry(self), groups, state)
+            _fused.store_state_formats(fused_entry(self), new_groups, loaded)
         if self._ipex_sycl is not None:  # after the re-encoding, which makes new tensors
-            for entry in state.values():
+            for entry in loaded.values():
                 self._ipex_sycl.place_state(entry)
+        for old, new in zip(groups, new_groups):
+            if old is not new:
+                old.clear()
+                old.update(new)
+        state.clear()
+        state.update(loaded)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict, with reduced-byte state (param group key ``state_dtype``) as fp32 tensors."""

@@ -96,9 +96,11 @@ class OptimizeConfig:
         if self.bf16_compute is not None:
             if not isinstance(self.bf16_compute, str):
                 raise OptionTypeError(f"{_WHERE}: bf16_compute must be a string or None, got {self.bf16_compute!r}")
-            # compute_policy names the accepted values when the policy is resolved; stored normalised here.
             text = self.bf16_compute.strip().lower()
-            object.__setattr__(self, "bf16_compute", None if text == "auto" else text)
+            if text not in (*_options.AUTO, *BF16_COMPUTE):
+                raise ValueError(f"{_WHERE}: bf16_compute must be None, 'auto', 'native' or 'emulated', got "
+                                 f"{self.bf16_compute!r}")
+            object.__setattr__(self, "bf16_compute", None if text in _options.AUTO else text)
         frozen = _options.parse_choice(self.frozen_weights, FROZEN_WEIGHTS, f"{_WHERE}: frozen_weights")
         object.__setattr__(self, "frozen_weights", None if frozen == "lossless" else frozen)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import _channels_last, _record, _summary, distributed
+from . import _channels_last, _model_checks, _record, _summary, distributed
 from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_parameters, register_input_casts,
                               set_memory_format)
 from .config import OptimizeConfig
@@ -101,7 +101,8 @@ def _validate(model, optimizer, dtype) -> None:
 def _check_release(optimizer) -> None:
     if optimizer is None:
         raise ValueError("optimize(): step_in_backward=True needs an optimizer (it is a training option)")
-    _step_in_backward.check_supported(user_class(optimizer))
+    cls = user_class(optimizer)
+    _step_in_backward.check_supported(cls, has_fused_step(cls))
 
 
 def _step_backend(sycl: bool | None, training: bool):
@@ -254,7 +255,10 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             at once; optimizer.step() then steps nothing. One backward per step: no gradient accumulation, no
             clipping (a second backward before step(), grads found at step(), or torch.nn.utils.clip_grad_norm_ /
             clip_grad_value_ on these parameters raise RuntimeError), no DistributedDataParallel. optimizer.set_step_in_backward(False) turns it off.
-            Refused (ValueError) for torch.optim.LBFGS.
+            Refused (ValueError) for torch.optim.LBFGS and for optimizer classes with a step of their own (it may
+            read several parameters' grads at once) unless they set ``per_parameter_step = True``; accepted for the
+            fused optimizers and torch.optim's per-parameter classes. A backward that raised part way is completed
+            by retrying it (docs/bad_inputs.md).
         optimizer_state_dtype: training only. None/torch.float32 (fp32 optimizer state), torch.bfloat16 (bf16 state
             with stochastic rounding) or "int8" (block-wise 8-bit state): sets the ``state_dtype`` key of every
             param group that has none (a group with ``state_dtype=torch.float32`` keeps fp32 state, e.g. for
@@ -276,7 +280,10 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
     so the user's torch.jit.trace + torch.jit.freeze fuse (logged; ipex_train.enable_onednn_fusion(False) opts out).
 
     Raises TypeError/ValueError for bad arguments, and RuntimeError when SYCL is asked for but unavailable, before
-    anything is modified.
+    anything is modified. Also refused (ValueError): a lazy module not materialised yet, a TorchScript submodule
+    with a low-precision dtype or with inplace=False in training, distinct Parameters sharing storage where
+    optimize() would separate them, a param group with differentiable=True, and auto_channels_last=True with
+    the SYCL step (which keeps weights contiguous).
     """
     shorthand = dict(dtype=dtype, level=level, conv_bn_folding=conv_bn_folding, linear_bn_folding=linear_bn_folding,
                      replace_dropout_with_identity=replace_dropout_with_identity,
@@ -295,12 +302,25 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
     if isinstance(model, nn.Module) and distributed.is_sharded(model):
         return _optimize_sharded(model, optimizer, config, inplace)
     _validate(model, optimizer, dtype)
+    _model_checks.check_model(model, dtype if _record.masters(model) is None else None,
+                              training_copy=optimizer is not None and not inplace)
+    if optimizer is not None:
+        _model_checks.check_optimizer(optimizer)
     flags = _resolve_flags(config)
     if dtype == torch.bfloat16 or bf16_compute is not None:
         from . import compute_policy
 
         compute_policy.resolve(bf16_compute)  # raises for a bad value before anything changes
     backend = _step_backend(config.sycl, training=optimizer is not None)
+    if _record.masters(model) is None:
+        _model_checks.check_aliases(model, dtype, copies=not inplace or backend is not None)
+    if backend is not None and flags.auto_channels_last:
+        if config.auto_channels_last:
+            raise ValueError("optimize(): auto_channels_last=True cannot apply with the SYCL step (sycl=True or "
+                             "IPEX_TRAIN_SYCL=1), which keeps every parameter contiguous in USM shared memory; pass "
+                             "auto_channels_last=False or None")
+        _log.info("ipex_train.optimize(sycl=True): conv weights stay contiguous (the SYCL step takes contiguous "
+                  "tensors), not channels-last")
     if optimizer is not None:
         _check_state_dtype(config.optimizer_state_dtype, optimizer, flags)
     if config.step_in_backward:

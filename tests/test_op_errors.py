@@ -89,7 +89,7 @@ def _fused_args(kind, make):
         state = _state_with(kind, params, exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3),
                             step=torch.tensor(1.0))
     elif state == "step":
-        state = _state_with(kind, params, step=torch.tensor(-1.0))
+        state = _state_with(kind, params, step=torch.tensor(-1.0), exp_avg=torch.zeros(4), exp_avg_sq=torch.zeros(4))
     else:
         state = collections.defaultdict(dict)
     return _registry.get(kind), dict(group), state, params, aux, grads

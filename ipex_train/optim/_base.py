@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .._options import OptionTypeError
-from . import _fused, _state_formats
+from . import _fused, _loaded_state, _state_formats
 from ._registry import FusedOptimizer
 
 
@@ -68,7 +68,10 @@ class FusableOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, then store the state in each group's own ``state_dtype`` (the one this optimizer
-        was created with, not the checkpoint's: see :func:`._state_formats.restore_settings`)."""
+        was created with, not the checkpoint's: see :func:`._state_formats.restore_settings`). The checkpoint's state
+        is checked first (:mod:`._loaded_state`); a load that raises changes nothing."""
+        _loaded_state.check_checkpoint(self.FUSED, state_dict, self.param_groups,
+                                       f"{type(self).__name__}.load_state_dict()")
         settings = _state_formats.own_settings(self.param_groups)
         super().load_state_dict(state_dict)
         _state_formats.restore_settings(self.param_groups, settings)

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from .._ops import ops, optimizer_names
+from . import _loaded_state, _registry, _state_formats
 from ._checks import check_step_args
-from . import _registry, _state_formats
 from ._registry import FusedOptimizer
 
 
@@ -69,7 +69,8 @@ def state_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapp
     For SGD, ``fresh`` marks momentum buffers created now (torch starts those from the grad itself).
     """
     states = [state[p] for p in params]
-    lists: dict[str, list] = {}
+    _loaded_state.check_entries(entry, group, params, states)  # before anything is created or counted
+    lists: dict[str, list] = {"created": [st for st in states if not st]}
     for spec in entry.state:
         if not spec.present(group):
             lists[spec.key] = []
@@ -77,19 +78,32 @@ def state_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapp
         if entry.fresh_flags:
             lists["fresh"] = [st.get(spec.key) is None for st in states]
         fill = float(group.get(spec.fill, 0.0)) if spec.fill else 0.0
-        for p, st in zip(params, states):
+        for i, (p, st) in enumerate(zip(params, states)):
             fmt = _state_formats.wanted(group, p)
             if st.get(spec.key) is None:
                 fresh_zeros = fmt is not None and not fill
                 st[spec.key] = _state_formats.zeros(p, fmt, spec.signed) if fresh_zeros else _state_tensor(p, fill)
             # The group's state format (reduced-byte state, _state_formats): created, loaded or switched.
-            st[spec.key] = _state_formats.convert(st[spec.key], p, fmt, spec.signed)
+            try:
+                st[spec.key] = _state_formats.convert(st[spec.key], p, fmt, spec.signed)
+            except RuntimeError as e:  # a tensor that cannot be re-encoded for p (set by hand, of the wrong shape)
+                undo_lists(lists)
+                raise _loaded_state.unconvertible(entry, group, i, p, spec.key, st[spec.key], fmt) from e
         lists[spec.key] = [st[spec.key] for st in states]
     if entry.fresh_flags and "fresh" not in lists:
         lists["fresh"] = []
     if entry.counts_steps:
         lists["step"] = _bump_steps(states)
     return lists
+
+
+def undo_lists(lists: dict[str, list]) -> None:
+    """Undo what :func:`state_lists` changed, for a step that does not run (its arguments were refused): the step
+    counters go back and the entries it created are emptied again."""
+    if "step" in lists:
+        torch._foreach_sub_(lists["step"], 1)
+    for st in lists["created"]:
+        st.clear()
 
 
 def store_state_formats(entry: FusedOptimizer, param_groups: list[dict[str, Any]],
@@ -136,7 +150,11 @@ def fused_step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMappi
             fused_step(entry, group, state, [params[i] for i in idx], [aux[i] for i in idx], [grads[i] for i in idx])
         return
     found = state_lists(entry, group, state, params)
-    check_step_args(entry.op_name, params, aux, grads, {s.arg: found[s.key] for s in entry.state if found[s.key]},
-                    found.get("step"))
+    try:
+        check_step_args(entry.op_name, params, aux, grads,
+                        {s.arg: found[s.key] for s in entry.state if found[s.key]}, found.get("step"))
+    except (TypeError, ValueError):
+        undo_lists(found)  # a refused call counts no step and creates no state
+        raise
     kernel(entry)(params, aux, grads, *kernel_lists(entry, found), *entry.kernel_args(group),
                                  _state_formats.call_key(group))

@@ -78,16 +78,20 @@ def fused_step(kind: str | FusedOptimizer, group: dict[str, Any], state: Mutable
                            f"{group[_state_formats.GROUP_KEY]!r}, but reduced-byte state is not implemented for torch "
                            "XPU tensors (it runs on USM-backed CPU tensors and on the CPU step); use fp32 state")
     lists = _fused.state_lists(entry, group, state, params)
-    if _on_torch_xpu(params):
-        if queue is not None:
-            raise ValueError(f"{op}: params are torch XPU tensors, which run on torch's own SYCL queue; "
-                             "pass queue=None")
-        rt = _runtime.runtime_for_torch_xpu(params[0].device)
-    else:
-        queue = _device.default_queue() if queue is None else queue
-        rt = _runtime.runtime(queue)
-        _to_usm_state(entry, state, params, lists, queue)
-    slots = _slots(op, params, aux, grads, {s.arg: lists[s.key] for s in entry.state if lists[s.key]})
+    try:
+        if _on_torch_xpu(params):
+            if queue is not None:
+                raise ValueError(f"{op}: params are torch XPU tensors, which run on torch's own SYCL queue; "
+                                 "pass queue=None")
+            rt = _runtime.runtime_for_torch_xpu(params[0].device)
+        else:
+            queue = _device.default_queue() if queue is None else queue
+            rt = _runtime.runtime(queue)
+            _to_usm_state(entry, state, params, lists, queue)
+        slots = _slots(op, params, aux, grads, {s.arg: lists[s.key] for s in entry.state if lists[s.key]})
+    except (TypeError, ValueError):
+        _fused.undo_lists(lists)  # a refused call counts no step and creates no state
+        raise
     # The runtime takes the fresh flags and step counts as plain values (the host reads them anyway).
     extra = [list(lists["fresh"])] if entry.fresh_flags else []
     if entry.counts_steps:
