@@ -264,7 +264,7 @@ def test_kernel_int8_codes_match_python_bits_near_every_code_boundary(signed):
 
 def test_stochastic_rounding_is_unbiased_and_reproducible():
     # SGD momentum with a zero buffer and momentum 0.5 stores buf = grad: one rounding of each grad value.
-    g = torch.randn(4096, dtype=torch.float64).float()
+    g = torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).float()
     lo = g.to(torch.bfloat16).float()
     draws = []
     for key in range(200):
@@ -273,7 +273,9 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
         F.sgd([p], [g], [buf], lr=0.0, momentum=0.5, state_key=key)
         draws.append(buf.float())
     d = torch.stack(draws)
-    up = torch.nextafter(lo.to(torch.bfloat16), torch.sign(g - lo).to(torch.bfloat16) * float("inf")).float()
+    # The other neighbour of g (above lo when g is exactly representable: sign(0) would make a NaN direction).
+    direction = torch.where(g >= lo, float("inf"), float("-inf")).to(torch.bfloat16)
+    up = torch.nextafter(lo.to(torch.bfloat16), direction).float()
     assert bool(((d == lo) | (d == up)).all())  # always one of the two neighbours
     ulp = (up - lo).abs().clamp_min(1e-30)
     mean_err = ((d.mean(0) - g) / ulp)
