@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from . import _channels_last, _ops, _record, _summary, distributed
+from . import config as _config
 from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_parameters, register_input_casts,
                               set_memory_format)
-from . import config as _config
 from .config import OptimizeConfig
 from . import _step_in_backward
 from ._training_optimizer import TrainingOptimizer, has_fused_step, training_optimizer, user_class
