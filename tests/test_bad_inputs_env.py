@@ -79,8 +79,8 @@ def test_bad_bf16_compute_variable_never_breaks_import_and_is_raised_by_optimize
     code = """
 import torch, ipex_train
 m = torch.nn.Linear(4, 4)
-try:
-    ipex_train.optimize(m, torch.optim.SGD(m.parameters(), lr=0.1), dtype=torch.bfloat16)
+try:  # fp32 training too: the variable is read (and checked) when optimize() starts
+    ipex_train.optimize(m, torch.optim.SGD(m.parameters(), lr=0.1))
 except ValueError as e:
     print("ValueError", e)
 """
@@ -145,6 +145,10 @@ def test_step_in_backward_variable_is_honoured_by_optimize(monkeypatch):
     assert opt.step_in_backward
     model(torch.randn(4, 64)).float().sum().backward()
     assert all(p.grad is None for p in model.parameters())  # stepped and freed inside backward
+    # A training-only variable does not apply to an inference optimize() in the same process ...
+    assert isinstance(ipex_train.optimize(_pair()[0].eval()), nn.Module)
+    with pytest.raises(ValueError, match="step_in_backward=True needs an optimizer"):
+        ipex_train.optimize(_pair()[0].eval(), step_in_backward=True)  # ... where the keyword is still refused
 
 
 def test_optimizer_state_dtype_variable_is_honoured_by_optimize(monkeypatch):
@@ -161,15 +165,6 @@ def test_level_and_dtype_variables_are_honoured_by_optimize(monkeypatch):
     monkeypatch.setenv("IPEX_TRAIN_FUSE_UPDATE_STEP", "0")
     model, opt = ipex_train.optimize(*_pair())
     assert model[0].weight.dtype == torch.bfloat16 and opt._ipex_fuse is False
-
-
-def test_training_only_variables_do_not_break_inference(monkeypatch):
-    monkeypatch.setenv("IPEX_TRAIN_STEP_IN_BACKWARD", "1")
-    monkeypatch.setenv("IPEX_TRAIN_OPTIMIZER_STATE_DTYPE", "int8")
-    model = ipex_train.optimize(_pair()[0].eval())
-    assert isinstance(model, nn.Module)
-    with pytest.raises(ValueError, match="step_in_backward=True needs an optimizer"):
-        ipex_train.optimize(_pair()[0].eval(), step_in_backward=True)  # the explicit keyword is still checked
 
 
 # --------------------------------------------------------------------------- precedence
