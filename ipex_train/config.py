@@ -19,7 +19,6 @@ import torch
 from . import _envvars, _options
 from ._envvars import LEVELS
 from ._options import OptionTypeError
-from .optim import _state_formats
 
 DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 BF16_COMPUTE = _envvars.BF16_COMPUTE_POLICIES
@@ -74,9 +73,8 @@ class OptimizeConfig:
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
-        object.__setattr__(self, "optimizer_state_dtype",
-                           _state_formats.public(_state_formats.parse(self.optimizer_state_dtype,
-                                                                      f"{_WHERE}: optimizer_state_dtype")))
+        object.__setattr__(self, "optimizer_state_dtype", _envvars.OPTIONS["optimizer_state_dtype"].parse(
+            self.optimizer_state_dtype, f"{_WHERE}: optimizer_state_dtype"))
         if self.level not in LEVELS:
             raise ValueError(f"{_WHERE}: level must be 'O0' or 'O1', got {self.level!r}")
         for name in FLAGS:
