@@ -4,7 +4,7 @@
 """
 __version__ = "0.1.0"
 
-from . import _ops  # noqa: F401  (loads the kernels and registers torch.ops.ipex_train)
+from . import _envvars, _ops  # noqa: F401  (loads the kernels and registers torch.ops.ipex_train)
 from . import optim
 from ._channels_last import disable_auto_channels_last, enable_auto_channels_last
 from ._info import info
@@ -13,6 +13,8 @@ from ._summary import OptimizeSummary, summary
 from .config import OptimizeConfig
 from .frontend import optimize
 from .inference.jit import enable_onednn_fusion, onednn_fusion_enabled
+
+_envvars.apply_kernel_variable()  # a bad IPEX_TRAIN_KERNEL is raised at optimize() or the first kernel call
 
 __all__ = ["MemoryReport", "OptimizeConfig", "OptimizeSummary", "info", "memory_report", "optim", "optimize", "summary", "enable_onednn_fusion",
            "onednn_fusion_enabled", "enable_auto_channels_last", "disable_auto_channels_last", "quantization",

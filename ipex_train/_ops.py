@@ -2,19 +2,16 @@
 
 Importing this module loads ``ipex_train._C``, whose TORCH_LIBRARY block registers the ``torch.ops.ipex_train``
 ops, and gives each op a fake (meta) implementation so ``torch.compile`` and FakeTensor tracing can see through
-it. Kernel-variant (ISA) selection also lives here; ``IPEX_TRAIN_KERNEL=auto|avx512|avx2|scalar`` picks one at
-import time.
+it. Kernel-variant (ISA) selection also lives here (``IPEX_TRAIN_KERNEL`` is applied through it by
+:func:`ipex_train._envvars.apply_kernel_variable` at import).
 """
 from __future__ import annotations
 
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.ipex_train)
-from ._options import env
 
 ops = torch.ops.ipex_train
-
-KERNEL_ENV = "IPEX_TRAIN_KERNEL"
 
 
 def cpu_features() -> dict[str, bool]:
@@ -24,12 +21,14 @@ def cpu_features() -> dict[str, bool]:
 
 
 def kernel_variant() -> str:
-    """The kernel variant the fused steps run: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
+    """The kernel variant the fused steps run: ``"avx512"``, ``"avx2"`` or ``"scalar"``. Raises ValueError, as
+    every kernel call does, while an ``IPEX_TRAIN_KERNEL`` value that cannot be honoured is in effect."""
     return ops.kernel_variant()
 
 
 def set_kernel_variant(name: str) -> None:
-    """Force a kernel variant (``"auto"`` restores the best one for this CPU).
+    """Force a kernel variant (``"auto"`` restores the best one for this CPU); this replaces an
+    ``IPEX_TRAIN_KERNEL`` choice, also one that could not be honoured.
 
     Raises ValueError for an unknown name and RuntimeError when this CPU lacks the variant's features.
     """
@@ -46,19 +45,6 @@ def supported_kernel_variants() -> list[str]:
 def optimizer_names() -> list[str]:
     """The optimizers the kernels were built with (``torch.ops.ipex_train.<name>_step``), from the C++ list."""
     return list(ops.optimizer_names())
-
-
-def _apply_env() -> None:
-    requested = env(KERNEL_ENV)
-    if not requested:
-        return
-    try:
-        ops.set_kernel_variant(requested)
-    except (ValueError, RuntimeError) as e:
-        raise RuntimeError(f"{KERNEL_ENV}={requested!r}: {e}") from None
-
-
-_apply_env()
 
 
 def _check_cpu(op: str, args) -> None:

@@ -1,4 +1,4 @@
-"""The one place ipex_train reads environment variables, and the checks every option shares.
+"""The checks every option shares (environment variables are named and read in :mod:`ipex_train._envvars`).
 
 Mistakes are reported one way everywhere: a value of the wrong type is an :class:`OptionTypeError` (a TypeError),
 a value of the right type that is not accepted (an unknown name, a bad environment string) is a ValueError, and
@@ -6,11 +6,9 @@ both name the argument or the variable.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
-PREFIX = "IPEX_TRAIN_"
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
 AUTO = ("auto", "")
@@ -21,19 +19,9 @@ class OptionTypeError(TypeError, ValueError):
     plugin raised ValueError for it before, and code catching that must keep working."""
 
 
-def env(name: str) -> str | None:
-    """The raw value of environment variable ``name``, or None when it is unset."""
-    return os.environ.get(name)
-
-
-def env_bool(name: str) -> bool | None:
-    """Environment variable ``name`` as a switch: 1/true/yes/on, 0/false/no/off (any case), or None when it is
-    unset, empty or ``auto``. Raises ValueError naming the variable otherwise."""
-    return parse_bool(env(name), name)
-
-
 def parse_bool(value: Any, where: str) -> bool | None:
-    """``value`` as a switch: a bool, None, or a string as :func:`env_bool` reads it (raising naming ``where``)."""
+    """``value`` as a switch: a bool, None, or a string: 1/true/yes/on, 0/false/no/off (any case), or None for an
+    empty string or ``auto``. Raises ValueError naming ``where`` for another string."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, str):

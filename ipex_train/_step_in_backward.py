@@ -24,7 +24,8 @@ What follows from stepping during backward:
   ``torch.nn.utils.clip_grad_norm_`` would see no grads and return 0. While any parameter is stepped inside
   backward, ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` raise RuntimeError when given one of them
   (they are wrapped once, the first time the mode is turned on; other parameters pass through unchanged; the
-  Accelerate and HF Trainer clipping calls go through them). Grads found on parameters at ``step()`` (set by
+  Accelerate and HF Trainer clipping calls go through them; docs/step_in_backward.md says why nothing narrower
+  catches those calls). Grads found on parameters at ``step()`` (set by
   hand) raise RuntimeError instead of being silently ignored.
 * Gradients summed across processes (DistributedDataParallel) are not supported: the hook would step before the
   all-reduce.

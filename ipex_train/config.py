@@ -1,9 +1,12 @@
 """:class:`OptimizeConfig`: every option of :func:`ipex_train.optimize` in one frozen object.
 
 ``optimize(model, opt, dtype=torch.bfloat16, level="O1", ...)`` is shorthand for
-``optimize(model, opt, config=OptimizeConfig(dtype=torch.bfloat16, level="O1", ...))``. A config can also be read
-from the environment (:meth:`OptimizeConfig.from_env`: one variable per field, ``IPEX_TRAIN_<FIELD>``, which is how
-the Accelerate plugin configures launched jobs) and written out with :meth:`OptimizeConfig.to_dict`.
+``optimize(model, opt, config=OptimizeConfig(dtype=torch.bfloat16, level="O1", ...))``. Each field has an
+environment variable, ``IPEX_TRAIN_<FIELD>`` (:mod:`ipex_train._envvars`, docs/environment.md), read for the options
+left unset (:func:`resolve`, when optimize() starts; :meth:`OptimizeConfig.from_env`, which is how the Accelerate
+plugin configures launched jobs). Precedence: a keyword argument or a config field > the environment > the default;
+a keyword argument and a config field that set one option to different values are a ValueError. A config is written
+out with :meth:`OptimizeConfig.to_dict`.
 """
 from __future__ import annotations
 
@@ -13,16 +16,13 @@ from typing import Any
 
 import torch
 
-from . import _options
+from . import _envvars, _options
+from ._envvars import LEVELS
 from ._options import OptionTypeError
-from .optim import _state_formats
 
 DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
-LEVELS = ("O0", "O1")
-BF16_COMPUTE = ("native", "emulated")
-FROZEN_WEIGHTS = ("lossless", "low_precision")
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-                "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+BF16_COMPUTE = _envvars.BF16_COMPUTE_POLICIES
+FROZEN_WEIGHTS = _envvars.FROZEN_WEIGHTS
 _WHERE = "optimize()"
 
 
@@ -31,19 +31,6 @@ def _check_dtype(value: Any) -> torch.dtype | None:
         raise ValueError(f"{_WHERE}: dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
                          f"got {value!r}")
     return value
-
-
-def _parse_dtype(value: Any, where: str) -> torch.dtype | None:
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _options.AUTO:
-            return None
-        if text in _DTYPE_NAMES:
-            return _DTYPE_NAMES[text]
-    elif value in DTYPES:
-        return value
-    raise ValueError(f"{where}={value!r} is not accepted; use torch.bfloat16 / 'bf16', torch.float32 / 'fp32', "
-                     "torch.float16 / 'fp16', or None / 'auto'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +73,8 @@ class OptimizeConfig:
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
-        object.__setattr__(self, "optimizer_state_dtype",
-                           _state_formats.public(_state_formats.parse(self.optimizer_state_dtype,
-                                                                      f"{_WHERE}: optimizer_state_dtype")))
+        object.__setattr__(self, "optimizer_state_dtype", _envvars.OPTIONS["optimizer_state_dtype"].parse(
+            self.optimizer_state_dtype, f"{_WHERE}: optimizer_state_dtype"))
         if self.level not in LEVELS:
             raise ValueError(f"{_WHERE}: level must be 'O0' or 'O1', got {self.level!r}")
         for name in FLAGS:
@@ -111,10 +97,11 @@ class OptimizeConfig:
         ``IPEX_TRAIN_LEVEL=O0``, ``IPEX_TRAIN_FUSE_UPDATE_STEP=0``) in ``environ`` (default: the process
         environment), else the field's default.
 
-        Environment spellings: dtype bf16/bfloat16, fp32/float32, fp16/float16 or auto; level O0/O1 (any case);
-        flags 1/0, true/false, yes/no, on/off or auto; bf16_compute auto/native/emulated; frozen_weights
-        lossless/low_precision. Raises ValueError naming
-        the option or the variable for a value it does not accept (TypeError for an option of the wrong type).
+        Environment spellings (any case): dtype bf16/bfloat16, fp32/float32, fp16/float16 or auto; level O0/O1;
+        flags 1/0, true/false, yes/no, on/off or auto; bf16_compute auto/native/emulated; optimizer_state_dtype
+        bf16/bfloat16, int8, fp32/float32 or auto; frozen_weights lossless/low_precision or auto. Raises
+        ValueError naming the option or the variable for a value
+        it does not accept (TypeError for an option of the wrong type).
         """
         unknown = sorted(set(options) - set(FIELDS))
         if unknown:
@@ -123,10 +110,8 @@ class OptimizeConfig:
         values = {}
         for name in FIELDS:
             value = _parse(name, options.get(name), name)
-            var = env_var(name)
-            raw = _options.env(var) if environ is None else environ.get(var)
-            if value is None and raw is not None:
-                value = _parse(name, raw, var)
+            if value is None:
+                value = _envvars.OPTIONS[name].read(environ)
             if value is not None:
                 values[name] = value
         return cls(**values)
@@ -141,20 +126,26 @@ class OptimizeConfig:
             out["optimizer_state_dtype"] = "bfloat16"
         return out
 
-    def merged(self, **shorthand: Any) -> OptimizeConfig:
-        """This config, checked against optimize()'s keyword arguments given next to it: each one must be left at
-        its default or agree with the config (ValueError naming it otherwise)."""
-        given = OptimizeConfig(**shorthand)
-        for f in dataclasses.fields(self):
-            value = getattr(given, f.name)
-            if value != f.default and value != getattr(self, f.name):
-                raise ValueError(f"{_WHERE}: {f.name}={value!r} conflicts with config.{f.name}="
-                                 f"{getattr(self, f.name)!r}; pass the option in the config or as a keyword "
-                                 "argument, not both")
+    def merged(self, **options: Any) -> OptimizeConfig:
+        """This config, checked against keyword arguments given next to it (values or strings as the environment
+        spells them; None: not given): each one given must agree with the config's field (ValueError naming both
+        otherwise, also where the field holds its default); the config is returned unchanged."""
+        unknown = sorted(set(options) - set(FIELDS))
+        if unknown:
+            raise TypeError(f"{_WHERE}: unknown option(s) {', '.join(unknown)}; the options are {', '.join(FIELDS)}")
+        given = {name: _parse(name, value, name) if isinstance(value, str) else value
+                 for name, value in options.items() if value is not None}
+        checked = OptimizeConfig(**given)  # validates each keyword as a field
+        for name in given:
+            value, mine = getattr(checked, name), getattr(self, name)
+            if value != mine:
+                raise ValueError(f"{_WHERE}: {name}={value!r} conflicts with config.{name}={mine!r}; pass the option "
+                                 "in the config or as a keyword argument, not both (or the same value in both)")
         return self
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(OptimizeConfig))
+TRAINING_ONLY = ("sycl", "step_in_backward", "optimizer_state_dtype", "frozen_weights")
 FLAGS = ("conv_bn_folding", "linear_bn_folding", "replace_dropout_with_identity", "split_master_weight_for_bf16",
          "fuse_update_step", "auto_channels_last", "sycl",
          "step_in_backward")
@@ -162,20 +153,32 @@ FLAGS = ("conv_bn_folding", "linear_bn_folding", "replace_dropout_with_identity"
 
 def env_var(field: str) -> str:
     """The environment variable of config field ``field``."""
-    return _options.PREFIX + field.upper()
+    return _envvars.OPTIONS[field].name
+
+
+def resolve(config: OptimizeConfig | None = None, environ: Mapping[str, str] | None = None, training: bool = True,
+            **keywords: Any) -> OptimizeConfig:
+    """The configuration optimize() runs with: each option from its keyword argument (None: not given) or from
+    ``config``'s field (None: not set; ``level`` is always set in a config), else from its ``IPEX_TRAIN_<FIELD>``
+    variable in ``environ`` (default: the process environment, read here, once), else its default. With
+    ``training=False`` the variables of the training-only options (:data:`TRAINING_ONLY`) are not read: a job's
+    environment configures its training, and an inference optimize() in the same process ignores them.
+
+    Raises TypeError for a ``config`` that is not an OptimizeConfig, ValueError naming both for a keyword argument
+    and a config field that differ, and TypeError/ValueError naming the argument or the variable for a bad value.
+    """
+    given = {name: value for name, value in keywords.items() if value is not None}
+    checked = OptimizeConfig(**given)  # keyword arguments take typed values only (strings are the environment's)
+    given = {name: getattr(checked, name) for name in given}
+    if not training:
+        environ = _envvars.without(TRAINING_ONLY, environ)
+    if config is None:
+        return OptimizeConfig.from_env(environ, **given)
+    if not isinstance(config, OptimizeConfig):
+        raise TypeError(f"{_WHERE}: config must be an ipex_train.OptimizeConfig or None, got {type(config).__name__}")
+    config.merged(**given)
+    return OptimizeConfig.from_env(environ, **{name: getattr(config, name) for name in FIELDS})
 
 
 def _parse(name: str, value: Any, where: str) -> Any:
-    if value is None:
-        return None
-    if name == "dtype":
-        return _parse_dtype(value, where)
-    if name == "level":
-        return _options.parse_choice(value, LEVELS, where, upper=True)
-    if name == "bf16_compute":
-        return _options.parse_choice(value, BF16_COMPUTE, where)
-    if name == "frozen_weights":
-        return _options.parse_choice(value, FROZEN_WEIGHTS, where)
-    if name == "optimizer_state_dtype":
-        return _state_formats.public(_state_formats.parse(value, where))
-    return _options.parse_bool(value, where)
+    return None if value is None else _envvars.OPTIONS[name].parse(value, where)

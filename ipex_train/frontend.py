@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import _channels_last, _model_checks, _record, _summary, distributed
+from . import _channels_last, _model_checks, _ops, _record, _summary, distributed
+from . import config as _config
 from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_parameters, register_input_casts,
                               set_memory_format)
 from .config import OptimizeConfig
@@ -107,8 +108,9 @@ def _check_release(optimizer) -> None:
 
 def _step_backend(sycl: bool | None, training: bool):
     """The step backend of the returned optimizer (ipex_train.xpu.SyclBackend), or None for the CPU step. Raises,
-    in training, when SYCL is asked for (``sycl=True``, or None with IPEX_TRAIN_SYCL=1) but unavailable."""
-    if not training or sycl is False:
+    in training, when SYCL is asked for (``sycl`` resolved to True: the argument, else IPEX_TRAIN_SYCL) but
+    unavailable."""
+    if not training or not sycl:
         return None
     from . import xpu  # only here: `import ipex_train` must not load the SYCL runtime
 
@@ -209,7 +211,7 @@ def _optimize_sharded(model: nn.Module, optimizer, config: OptimizeConfig, inpla
     return model, optimizer
 
 
-def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_bn_folding=None,
+def optimize(model, optimizer=None, dtype=None, level=None, inplace=False, conv_bn_folding=None,
              linear_bn_folding=None, replace_dropout_with_identity=None, split_master_weight_for_bf16=None,
              fuse_update_step=None, auto_channels_last=None, sample_input=None, bf16_compute=None, sycl=None, *,
              step_in_backward=None, optimizer_state_dtype=None, frozen_weights=None,
@@ -218,6 +220,11 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
 
     Training (``model.training`` and an optimizer): returns ``(model, optimizer)``; use both in an unchanged
     training loop. Inference (``model.eval()`` and no optimizer): returns the model.
+
+    Every option below from ``dtype`` to ``optimizer_state_dtype`` left None (not given, and not set by
+    ``config``) is read from its environment variable ``IPEX_TRAIN_<OPTION>`` (e.g. ``IPEX_TRAIN_DTYPE=bf16``,
+    ``IPEX_TRAIN_STEP_IN_BACKWARD=1``; any case, see docs/environment.md) once, when optimize() starts, else takes
+    its default: a keyword argument or config field > the environment > the default.
 
     Args:
         model: the torch.nn.Module, all on the CPU.
@@ -228,7 +235,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             Conv*, ConvTranspose*, Embedding, EmbeddingBag, RNN/LSTM/GRU, MultiheadAttention and transformers'
             Conv1D go to that dtype, everything else stays fp32; the exact fp32 value is kept (see
             split_master_weight_for_bf16), and model.state_dict() and optimizer state stay fp32.
-        level: "O1" turns every optimization on, "O0" only the dtype handling; explicit flags win.
+        level: "O1" (None: the default, unless IPEX_TRAIN_LEVEL says "O0") turns every optimization on, "O0" only
+            the dtype handling; explicit flags win.
         inplace: modify ``model`` and ``optimizer`` (the returned optimizer is a new object sharing the param
             group dicts and state of ``optimizer``; use the returned one). With False (default) ``model`` is deep
             copied and ``model``/``optimizer`` are left untouched; the returned optimizer has its own group dicts,
@@ -272,18 +280,21 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
             alone (2 bytes instead of 4 with bf16): state_dict() then holds that rounded bf16 value, and stepping
             it later (after setting requires_grad=True) raises RuntimeError. The summary and memory lines count
             frozen parameters separately.
-        config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through sycl), instead of
-            passing them one by one; a keyword argument given next to it must agree with it.
+        config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through
+            optimizer_state_dtype), instead of passing them one by one; a keyword argument given next to it must
+            agree with the config's field (ValueError naming both otherwise); fields left None are read from the
+            environment.
 
     Each call logs one line at INFO on the "ipex_train" logger saying what it did (ipex_train.summary(model,
     optimizer) returns it as data). For inference it also turns torch's TorchScript oneDNN Graph fusion switch on,
     so the user's torch.jit.trace + torch.jit.freeze fuse (logged; ipex_train.enable_onednn_fusion(False) opts out).
 
-    Raises TypeError/ValueError for bad arguments, and RuntimeError when SYCL is asked for but unavailable, before
-    anything is modified. Also refused (ValueError): a lazy module not materialised yet, a TorchScript submodule
-    with a low-precision dtype or with inplace=False in training, distinct Parameters sharing storage where
-    optimize() would separate them, a param group with differentiable=True, and auto_channels_last=True with
-    the SYCL step (which keeps weights contiguous).
+    Raises TypeError/ValueError for bad arguments or environment values (also an IPEX_TRAIN_KERNEL the kernels
+    cannot honour), and RuntimeError when SYCL is asked for but unavailable, before anything is modified. Also
+    refused (ValueError): a lazy module not materialised yet, a TorchScript submodule with a low-precision dtype or
+    with inplace=False in training, distinct Parameters sharing storage where optimize() would separate them, a
+    param group with differentiable=True, and auto_channels_last=True with the SYCL step (which keeps weights
+    contiguous).
     """
     shorthand = dict(dtype=dtype, level=level, conv_bn_folding=conv_bn_folding, linear_bn_folding=linear_bn_folding,
                      replace_dropout_with_identity=replace_dropout_with_identity,
@@ -291,13 +302,8 @@ def optimize(model, optimizer=None, dtype=None, level="O1", inplace=False, conv_
                      auto_channels_last=auto_channels_last, bf16_compute=bf16_compute, sycl=sycl,
                      step_in_backward=step_in_backward,
                      optimizer_state_dtype=optimizer_state_dtype, frozen_weights=frozen_weights)
-    if config is None:
-        config = OptimizeConfig(**shorthand)
-    elif not isinstance(config, OptimizeConfig):
-        raise TypeError(f"optimize(): config must be an ipex_train.OptimizeConfig or None, got "
-                        f"{type(config).__name__}")
-    else:
-        config = config.merged(**shorthand)
+    config = _config.resolve(config, training=optimizer is not None, **shorthand)  # the one read of the environment
+    _ops.kernel_variant()  # raises for an IPEX_TRAIN_KERNEL the kernels cannot honour, before anything changes
     dtype, bf16_compute = config.dtype, config.bf16_compute
     if isinstance(model, nn.Module) and distributed.is_sharded(model):
         return _optimize_sharded(model, optimizer, config, inplace)

@@ -83,7 +83,7 @@ import weakref
 
 import torch
 
-from .. import _options
+from .. import _envvars
 from ._mode import _EmulationMode
 
 __all__ = [
@@ -99,7 +99,7 @@ __all__ = [
 ]
 
 POLICIES = ("native", "emulated")
-ENV_VAR = "IPEX_TRAIN_BF16_COMPUTE"
+ENV_VAR = _envvars.BF16_COMPUTE.name
 _REQUESTABLE = ("auto",) + POLICIES
 _NATIVE_BF16_FEATURES = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
 
@@ -137,9 +137,9 @@ def _check_value(value: str, where: str) -> str:
 def _resolve_with_source(requested: str | None) -> tuple[str, str]:
     if requested is not None and _check_value(requested, "requested") != "auto":
         return requested.strip().lower(), "argument"
-    env = _options.env(ENV_VAR)
-    if env is not None and _check_value(env, ENV_VAR) != "auto":
-        return env.strip().lower(), f"environment variable {ENV_VAR}"
+    env = _envvars.BF16_COMPUTE.read()
+    if env is not None:
+        return env, f"environment variable {ENV_VAR}"
     native = cpu_has_native_bf16()
     return ("native" if native else "emulated"), "CPU features"
 

@@ -48,11 +48,11 @@ import warnings
 import torch
 from torch import nn
 
-from .. import _options
+from .. import _envvars, _options
 
 _log = logging.getLogger("ipex_train")
 
-FUSION_ENV = "IPEX_TRAIN_ONEDNN_FUSION"
+FUSION_ENV = _envvars.ONEDNN_FUSION.name
 _choice = None  # set by enable_onednn_fusion(); None: FUSION_ENV, else on
 
 
@@ -71,7 +71,7 @@ def onednn_fusion_enabled():
     0/1, true/false, ...), else True. Raises ValueError for another value of the variable."""
     if _choice is not None:
         return _choice
-    return _options.env_bool(FUSION_ENV) is not False
+    return _envvars.ONEDNN_FUSION.read() is not False
 
 
 def enable_torchscript_fusion():

@@ -71,7 +71,8 @@ class IpexTrainPlugin:
     config's fields of the same name, as optimize()'s are; each one left None is read from its environment variable
     (``IPEX_TRAIN_<OPTION>``, see :data:`ENV_VARS` and the module docstring, and
     :meth:`OptimizeConfig.from_env` for the other fields), else ipex_train's default applies. A ``config`` given
-    instead is used as it is (the environment is not read); arguments given next to it must agree with it.
+    instead is used as it is (optimize() reads the environment for its fields left None); arguments given next to
+    it must agree with its fields (ValueError naming both otherwise).
 
     Args:
         dtype: torch.bfloat16 or torch.float32 (or "bf16"/"fp32"); None follows ``accelerator.mixed_precision``.
@@ -99,8 +100,7 @@ class IpexTrainPlugin:
             elif not isinstance(config, OptimizeConfig):
                 raise TypeError(f"config must be an ipex_train.OptimizeConfig or None, got {type(config).__name__}")
             else:
-                given = OptimizeConfig.from_env({}, **options)
-                config = config.merged(**{name: getattr(given, name) for name in OPTIONS})
+                config = config.merged(**options)
         except (TypeError, ValueError) as e:
             raise type(e)(f"IpexTrainPlugin: {e}") from None
         object.__setattr__(self, "config", config)

@@ -25,7 +25,8 @@ Two ways to run them:
 """
 from __future__ import annotations
 
-from .._options import check_bool, env_bool
+from .. import _envvars
+from .._options import check_bool
 from ._backend import SyclBackend
 from ._device import DEVICE_ENV, default_queue, devices, is_available, select_device, unavailable_reason
 from ._env import sycl_env
@@ -33,7 +34,7 @@ from ._runtime import release_all
 from ._steps import combine_bf16, fused_step, split_bf16
 from ._usm import is_usm, module_to_usm, to_usm, usm_grads, usm_kind, usm_tensor
 
-ENABLE_ENV = "IPEX_TRAIN_SYCL"
+ENABLE_ENV = _envvars.SYCL.name
 
 
 def enabled(flag: bool | None = None) -> bool:
@@ -42,7 +43,7 @@ def enabled(flag: bool | None = None) -> bool:
     is usable, ValueError for an environment value that is not a switch."""
     check_bool(flag, "enabled: flag")
     if flag is None:
-        flag = bool(env_bool(ENABLE_ENV))
+        flag = bool(_envvars.SYCL.read())
     if flag and not is_available():
         raise RuntimeError(f"SYCL step requested ({ENABLE_ENV}=1 or sycl=True) but unavailable: {unavailable_reason()}")
     return flag

@@ -5,10 +5,10 @@ import os
 import sys
 import threading
 
-from .._options import env
+from .. import _envvars
 from . import _runtime
 
-DEVICE_ENV = "IPEX_TRAIN_SYCL_DEVICE"
+DEVICE_ENV = _envvars.SYCL_DEVICE.name
 
 _lock = threading.Lock()
 _default_queue = None
@@ -71,7 +71,7 @@ def select_device():
     """The dpctl.SyclDevice the default queue uses: ``$IPEX_TRAIN_SYCL_DEVICE`` (a dpctl filter string such as
     ``opencl:cpu``) if set, else the first GPU with USM shared allocations, else the first such device."""
     dpctl = _runtime.import_dpctl()
-    wanted = env(DEVICE_ENV)
+    wanted = _envvars.SYCL_DEVICE.read()
     if wanted:
         return dpctl.SyclDevice(wanted)
     usable = [d for d in dpctl.get_devices() if d.has_aspect_usm_shared_allocations]

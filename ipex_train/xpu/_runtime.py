@@ -12,7 +12,7 @@ import sys
 import threading
 from typing import Any
 
-from .._options import env_bool
+from .. import _envvars
 from ..optim._registry import NAMES
 from . import _env
 
@@ -93,7 +93,7 @@ def extension():
             # -Wno-attributes: dpctl4pybind11.hpp's classes have wider visibility than pybind11's (harmless).
             extra_cflags=["-O2", "-DSYCL_DISABLE_FSYCL_SYCLHPP_WARNING", "-Wno-attributes"],
             extra_ldflags=[f"-L{lib}", "-lsycl", f"-Wl,-rpath,{lib}"],
-            verbose=bool(env_bool("IPEX_TRAIN_XPU_VERBOSE_BUILD")),
+            verbose=bool(_envvars.XPU_VERBOSE_BUILD.read()),
         )
         return _module
 

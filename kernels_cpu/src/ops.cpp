@@ -172,6 +172,7 @@ TORCH_LIBRARY(ipex_train, m) {
   m.def("q8_encode(Tensor x, bool signed) -> Tensor");
   m.def("kernel_variant() -> str", &ipex_train::kernel_variant);
   m.def("set_kernel_variant(str name) -> ()", &ipex_train::set_kernel_variant);
+  m.def("set_kernel_variant_error(str message) -> ()", &ipex_train::set_kernel_variant_error);
   m.def("supported_kernel_variants() -> str[]", &ipex_train::supported_kernel_variants);
   m.def("optimizer_names() -> str[]", &ipex_train::optimizer_names);
   m.def("cpu_features() -> str", &ipex_train::cpu_feature_string);

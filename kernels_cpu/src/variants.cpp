@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <mutex>
 
 #include "cpu_features.h"
 
@@ -40,22 +41,42 @@ const KernelTable* best_table() {
 }
 
 std::atomic<const KernelTable*> g_table{nullptr};
+// A variant request that could not be honoured (a bad IPEX_TRAIN_KERNEL, reported by Python at import): while no
+// variant is chosen, every kernel call raises it instead of silently running another variant.
+std::mutex g_error_mutex;
+std::string g_request_error;
 
 }  // namespace
 
 const KernelTable& kernels() {
   const KernelTable* t = g_table.load();
   if (t == nullptr) {
+    {
+      std::lock_guard<std::mutex> lock(g_error_mutex);
+      TORCH_CHECK_VALUE(g_request_error.empty(), g_request_error);
+    }
     t = best_table();
     g_table.store(t);
   }
   return *t;
 }
 
+void set_kernel_variant_error(std::string message) {
+  std::lock_guard<std::mutex> lock(g_error_mutex);
+  g_request_error = std::move(message);
+  g_table.store(nullptr);
+}
+
 std::string kernel_variant() { return kernels().name; }
 
 void set_kernel_variant(std::string name) {
+  // An explicit choice replaces a failed request; a failing one below leaves everything as it was.
+  auto clear_error = [] {
+    std::lock_guard<std::mutex> lock(g_error_mutex);
+    g_request_error.clear();
+  };
   if (name == "auto") {
+    clear_error();
     g_table.store(best_table());
     return;
   }
@@ -66,6 +87,7 @@ void set_kernel_variant(std::string name) {
     TORCH_CHECK(v.table->name != nullptr, "kernel variant '", name, "' is not built for this architecture");
     const std::string missing = missing_features(v);
     TORCH_CHECK(missing.empty(), "kernel variant '", name, "' needs CPU features this machine lacks: ", missing);
+    clear_error();
     g_table.store(v.table);
     return;
   }

@@ -12,6 +12,9 @@ namespace ipex_train {
 const KernelTable& kernels();  // the table in use; the ops read it once per call
 std::string kernel_variant();
 void set_kernel_variant(std::string name);
+// Until the next successful set_kernel_variant, every kernel call (and kernel_variant()) raises ValueError(message):
+// how a variant request that cannot be honoured (a bad IPEX_TRAIN_KERNEL) is reported at first use, not at import.
+void set_kernel_variant_error(std::string message);
 // The variants this CPU can run, best first. Reads the features only: the table in use is never touched, so a step
 // running on another thread keeps its variant.
 std::vector<std::string> supported_kernel_variants();
