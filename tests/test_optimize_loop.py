@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 import torch
+from bf16_reference import Bf16Emulation, assert_moved, clip_grad_norm
 from torch import nn
 
 import ipex_train
-from bf16_reference import Bf16Emulation, assert_moved, clip_grad_norm
 from ipex_train import compute_policy
 from ipex_train._training_optimizer import fused_entry
 
