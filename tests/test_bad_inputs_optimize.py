@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from sycl_required import need_sycl_device
 from torch import nn
 
 import ipex_train
@@ -131,10 +132,7 @@ def test_aliased_parameters_keep_the_alias_in_fp32_inplace():
 
 
 def _sycl():
-    import ipex_train.xpu as sx
-
-    if not sx.is_available():
-        pytest.skip(f"no SYCL device: {sx.unavailable_reason()}")
+    need_sycl_device()
 
 
 def conv_model():

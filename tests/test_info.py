@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from sycl_required import need_sycl_device
 
 import ipex_train
 from ipex_train import xpu
@@ -20,8 +21,7 @@ def _run(code: str):
 
 
 def test_info_lists_sycl_devices():
-    if not xpu.is_available():
-        pytest.skip(f"no SYCL device: {xpu.unavailable_reason()}")
+    need_sycl_device()
     data = ipex_train.info()
     assert data["sycl_available"] is True and data["sycl_unavailable_reason"] is None
     devices = data["sycl_devices"]
@@ -33,8 +33,7 @@ def test_info_lists_sycl_devices():
 
 
 def test_cli_prints_one_line_per_device():
-    if not xpu.is_available():
-        pytest.skip(f"no SYCL device: {xpu.unavailable_reason()}")
+    need_sycl_device()
     out = _run("import sys; from ipex_train.__main__ import main; sys.exit(main(['info']))")
     assert out.returncode == 0, out.stderr
     device = xpu.select_device()
@@ -70,8 +69,7 @@ def test_broken_runtime_reads_as_no_device(monkeypatch):
 
 
 def test_unknown_device_selection_is_the_reason(monkeypatch):
-    if not xpu.is_available():
-        pytest.skip(f"no SYCL device: {xpu.unavailable_reason()}")
+    need_sycl_device()
     monkeypatch.setenv(xpu.DEVICE_ENV, "level_zero:gpu:7")
     data = ipex_train.info()
     assert data["sycl_available"] is False and "level_zero:gpu:7" in data["sycl_unavailable_reason"]

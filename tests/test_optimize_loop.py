@@ -7,12 +7,16 @@ import warnings
 
 import pytest
 import torch
+from bf16_reference import Bf16Emulation, assert_moved, clip_grad_norm
 from torch import nn
 
 import ipex_train
+from ipex_train import compute_policy
 from ipex_train._training_optimizer import fused_entry
 
 BF16 = torch.bfloat16
+# optimize(bf16) against its plain-torch emulation (see tests/test_optimize_numerics.py's BF16_TOL).
+BF16_TOL = 2e-5
 
 
 class Net(nn.Module):
@@ -45,17 +49,22 @@ def loss_of(model, x, y):
     return nn.functional.cross_entropy(model(x).float(), y)
 
 
-def train(model, opt, batches, clip=None, accumulate=1, sched=None):
+def train(model, opt, batches, clip=None, accumulate=1, sched=None, clipper=None):
+    """Train; returns the grad norms clipping reported. ``clipper(max_norm)`` replaces
+    torch.nn.utils.clip_grad_norm_ over the model's parameters."""
+    norms = []
     for i, (x, y) in enumerate(batches):
         (loss_of(model, x, y) / accumulate).backward()
         if (i + 1) % accumulate:
             continue
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            clipper = clipper or (lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            norms.append(float(clipper(clip)))
         opt.step()
         opt.zero_grad()
         if sched is not None:
             sched.step()
+    return norms
 
 
 def values(model):
@@ -80,6 +89,18 @@ def adamw(m):
     return torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
 
 
+def emulation(make_optimizer, **model_kw):
+    """The plain-torch emulation of optimize(make(**model_kw), dtype=bf16) with ``make_optimizer(params)``."""
+    return Bf16Emulation(make(**model_kw), make_optimizer, compute_policy.resolve())
+
+
+def assert_tracks_emulation(model, emu, **model_kw):
+    """The fp32 values of ``model`` equal the emulation's within BF16_TOL, and every parameter moved well past it."""
+    want = emu.state_dict()
+    assert_moved(want, dict(make(**model_kw).named_parameters(remove_duplicate=False)), BF16_TOL)
+    assert_close(values(model), want, BF16_TOL)
+
+
 def test_tied_weights_stay_tied_and_train():
     (ref, ref_opt), (model, opt) = pair(adamw, tie=True)
     assert model.out.weight is model.emb.weight and model.emb.weight.dtype == BF16
@@ -88,6 +109,10 @@ def test_tied_weights_stay_tied_and_train():
     sd = model.state_dict()
     assert sd["emb.weight"] is sd["out.weight"] and sd["emb.weight"].dtype == torch.float32
     assert_close(values(model), values(ref))
+    # The tied weight sums both uses' grads and is stepped once per step, as in the emulation.
+    emu = emulation(lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01), tie=True)
+    train(emu.model, emu, data())
+    assert_tracks_emulation(model, emu, tie=True)
     fresh = make(seed=3, tie=True)
     fresh, _ = ipex_train.optimize(fresh, adamw(fresh), dtype=BF16)
     fresh.load_state_dict(sd)
@@ -179,12 +204,48 @@ def test_lr_scheduler(created, inplace, caplog):
     assert_close(values(model), values(ref))
 
 
-def test_gradient_accumulation_and_clipping():
-    (ref, ref_opt), (model, opt) = pair(adamw)
+CLIP_OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", CLIP_OPTIMIZERS)
+def test_gradient_accumulation_and_clipping(name):
+    factory = CLIP_OPTIMIZERS[name]
+    (ref, ref_opt), (model, opt) = pair(lambda m: factory(m.parameters()))
     train(ref, ref_opt, data(8), clip=0.05, accumulate=4)
-    train(model, opt, data(8), clip=0.05, accumulate=4)
-    assert opt.state[model.fc.weight]["step"] == 2
+    norms = train(model, opt, data(8), clip=0.05, accumulate=4)
+    assert opt.state[model.fc.weight].get("step", 2) == 2
     assert_close(values(model), values(ref))
+
+    # Against the emulation: grads summed in bf16 over 4 micro-batches, clipped by their global norm.
+    emu = emulation(factory)
+    want_norms = train(emu.model, emu, data(8), clip=0.05, accumulate=4, clipper=emu.clip_grad_norm_)
+    assert len(norms) == 2 and min(norms) > 0.05 * 5  # clipping scales the grads down, by 5x at least
+    assert norms == pytest.approx(want_norms, rel=1e-4)
+    assert_tracks_emulation(model, emu)
+
+    # Neither clipping nor accumulation is a no-op here: leaving either out moves the result beyond the tolerance
+    # (AdamW is nearly invariant to the grads' scale: without clipping it differs by ~10 tolerances, SGD by far more).
+    for kw in (dict(accumulate=4), dict(clip=0.05)):
+        (_, _), (other, other_opt) = pair(lambda m: factory(m.parameters()))
+        train(other, other_opt, data(8), **kw)
+        got = values(other)
+        assert max((got[k] - v).abs().max().item() for k, v in values(model).items()) > 5 * BF16_TOL, kw
+
+
+@pytest.mark.parametrize("name", CLIP_OPTIMIZERS)
+def test_fp32_accumulation_and_clipping_match_torch(name):
+    factory = CLIP_OPTIMIZERS[name]
+    (ref, ref_opt), (model, opt) = pair(lambda m: factory(m.parameters()), dtype=None)
+    want_norms = train(ref, ref_opt, data(8), clip=0.05, accumulate=4,
+                       clipper=lambda max_norm: clip_grad_norm(ref.parameters(), max_norm))
+    norms = train(model, opt, data(8), clip=0.05, accumulate=4)
+    assert norms == pytest.approx(want_norms, rel=1e-6) and min(norms) > 0.05 * 5
+    want = values(ref)
+    assert_moved(want, dict(make().named_parameters()), 1e-5)
+    assert_close(values(model), want, tol=1e-5)
 
 
 @pytest.mark.parametrize("factory", [lambda m: torch.optim.SGD(m.parameters(), lr=0.5),

@@ -1,18 +1,29 @@
 """optimize() training numerics: grids over each fused optimizer's hyper-parameters (in the style of IPEX's own
-tests), bf16/fp16 training against fp32 training, fp32 optimize() against plain torch, and exact checkpoint
-continuation."""
+tests), bf16 training against a plain-torch emulation of the same arithmetic (tests/bf16_reference.py), fp16
+training against fp32 training, fp32 optimize() against plain torch, and exact checkpoint continuation.
+
+Every comparison also checks that each parameter moved from its initial value by many times the tolerance, so an
+optimizer step that does nothing, or a wrong one, cannot pass."""
 import copy
 import io
 import itertools
 
 import pytest
 import torch
+from bf16_reference import Bf16Emulation, assert_moved
 from torch import nn
 
 import ipex_train
+from ipex_train import compute_policy
 from ipex_train.optim import Lamb, Lars
 
 STEPS = 3
+# optimize(bf16) against the emulation: the same bf16 values meet the same kernels, so only the order of fp32
+# accumulations inside a matmul (and a bf16 rounding it flips now and then) differs. Measured at most 3.3e-6 under
+# the emulated policy, 7.5e-9 under native, over these grids.
+BF16_TOL = 2e-5
+# Each parameter's mean move over the run must exceed this many tolerances.
+MOVES = 10
 
 
 def make_model(seed=0):
@@ -51,18 +62,38 @@ def run_pair(opt_class, kwargs, dtype, set_to_none=True, **optimize_kwargs):
     return model, ref
 
 
-def assert_close(model, ref, tol):
-    got, want = fp32_values(model), fp32_values(ref)
+def run_bf16(opt_class, kwargs, set_to_none=True, reference_kwargs=None, **optimize_kwargs):
+    """(fp32 values of optimize(bf16) after training, those of the plain-torch emulation of it, whose optimizer
+    takes ``reference_kwargs`` when given)."""
+    model = make_model()
+    emulation = Bf16Emulation(model, lambda params: opt_class(params, **(reference_kwargs or kwargs)),
+                              compute_policy.resolve())
+    model, opt = ipex_train.optimize(model, opt_class(model.parameters(), **kwargs), dtype=torch.bfloat16,
+                                     **optimize_kwargs)
+    data = batches()
+    train(model, opt, data, set_to_none)
+    for x, y in data:
+        emulation.zero_grad()
+        nn.functional.cross_entropy(emulation.model(x).float(), y).backward()
+        emulation.step()
+    return fp32_values(model), emulation.state_dict()
+
+
+def assert_close(model, ref, tol, moved=True):
+    assert_values_close(fp32_values(model), fp32_values(ref), tol, moved)
+
+
+def assert_values_close(got, want, tol, moved=True):
     assert got.keys() == want.keys()
+    if moved:
+        assert_moved(want, dict(make_model().named_parameters()), tol, MOVES)
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=tol, rtol=tol, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def assert_trained(model):
-    # Guards the comparisons against a step that silently did nothing.
-    init = make_model().state_dict()
-    moved = [k for k, v in fp32_values(model).items() if k.endswith("weight") and not torch.equal(v, init[k])]
-    assert moved, "no weight changed"
+def assert_bf16(opt_class, kwargs, set_to_none=True, reference_kwargs=None):
+    got, want = run_bf16(opt_class, kwargs, set_to_none, reference_kwargs)
+    assert_values_close(got, want, BF16_TOL)
 
 
 SGD_GRID = [dict(momentum=m, dampening=d, nesterov=n, weight_decay=wd, maximize=mx)
@@ -75,9 +106,7 @@ SGD_GRID = [dict(momentum=m, dampening=d, nesterov=n, weight_decay=wd, maximize=
 @pytest.mark.parametrize("kw", SGD_GRID, ids=str)
 def test_sgd_grid(kw, set_to_none):
     kw = dict(kw, lr=0.02)
-    model, ref = run_pair(torch.optim.SGD, kw, torch.bfloat16, set_to_none)
-    assert_trained(model)
-    assert_close(model, ref, 1e-2)
+    assert_bf16(torch.optim.SGD, kw, set_to_none)
     model, ref = run_pair(torch.optim.SGD, kw, None, set_to_none)
     assert_close(model, ref, 1e-5)
 
@@ -90,9 +119,7 @@ ADAM_GRID = [(cls, dict(amsgrad=a, betas=b, weight_decay=wd, maximize=mx))
 @pytest.mark.parametrize("cls,kw", ADAM_GRID, ids=str)
 def test_adam_grid(cls, kw):
     kw = dict(kw, lr=1e-3)
-    model, ref = run_pair(cls, kw, torch.bfloat16)
-    assert_trained(model)
-    assert_close(model, ref, 1e-2)
+    assert_bf16(cls, kw)
     model, ref = run_pair(cls, kw, None)
     assert_close(model, ref, 1e-5)
 
@@ -107,23 +134,20 @@ def test_adam_decoupled_weight_decay_matches_adamw():
 @pytest.mark.parametrize("kw", [dict(lr=3e-3), dict(lr=3e-3, lr_decay=0.1, weight_decay=0.01),
                                 dict(lr=3e-3, initial_accumulator_value=0.1, maximize=True)], ids=str)
 def test_adagrad(kw):
-    model, ref = run_pair(torch.optim.Adagrad, kw, torch.bfloat16)
-    assert_trained(model)
-    assert_close(model, ref, 1e-2)
+    assert_bf16(torch.optim.Adagrad, kw)
     model, ref = run_pair(torch.optim.Adagrad, kw, None)
     assert_close(model, ref, 1e-5)
 
 
-LAMB_LARS = [(Lamb, dict(lr=1e-3)), (Lamb, dict(lr=1e-3, weight_decay=0.01, bias_correction=False)),
-             (Lars, dict(lr=0.1, momentum=0.9)), (Lars, dict(lr=0.1, momentum=0.0, weight_decay=1e-3, eeta=1e-2))]
+LAMB_LARS = [(Lamb, dict(lr=1e-2)), (Lamb, dict(lr=1e-2, weight_decay=0.01, bias_correction=False)),
+             (Lars, dict(lr=2.0, momentum=0.9)), (Lars, dict(lr=1.0, momentum=0.0, weight_decay=1e-3, eeta=1e-2))]
 
 
 @pytest.mark.parametrize("cls,kw", LAMB_LARS, ids=str)
 def test_lamb_lars(cls, kw):
-    # Reference: the same optimizer class running its plain PyTorch rule.
-    model, ref = run_pair(cls, dict(kw, fused=False), torch.bfloat16)
-    assert_trained(model)
-    assert_close(model, ref, 1e-2)
+    # Reference: the same optimizer class running its plain PyTorch rule (tests/test_optim_lamb_lars.py checks that
+    # rule against the papers').
+    assert_bf16(cls, kw, reference_kwargs=dict(kw, fused=False))
     model, ref = run_pair(cls, dict(kw, fused=False), None)
     assert_close(model, ref, 1e-5)
 
@@ -133,10 +157,17 @@ def test_lamb_lars(cls, kw):
                                              dict(dtype=torch.bfloat16, fuse_update_step=False),
                                              dict(dtype=torch.bfloat16, level="O0")], ids=str)
 def test_other_storage_modes(optimize_kwargs):
-    model, ref = run_pair(torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1), **optimize_kwargs)
+    kw = dict(lr=1e-3, weight_decay=0.1)
+    model, ref = run_pair(torch.optim.AdamW, kw, **optimize_kwargs)
     low = [p for p in model.parameters() if p.dtype != torch.float32]
     assert low and {p.dtype for p in low} == {optimize_kwargs["dtype"]}
-    assert_close(model, ref, 1e-2)
+    assert_close(model, ref, 1e-2, moved=False)  # a sanity bound: fp16 has no tighter reference here
+    if optimize_kwargs["dtype"] == torch.bfloat16:
+        # An fp32 master rounds to nearest-even where split storage rounds ties away: only exact ties differ, which
+        # the tolerance covers.
+        optimize_kwargs = {k: v for k, v in optimize_kwargs.items() if k != "dtype"}
+        got, want = run_bf16(torch.optim.AdamW, kw, **optimize_kwargs)
+        assert_values_close(got, want, BF16_TOL)
 
 
 def test_split_weights_are_round_to_nearest():

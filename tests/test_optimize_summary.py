@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 import torchvision
+from sycl_required import need_sycl_device
 from torch import nn
 
 import ipex_train
@@ -118,10 +119,7 @@ def test_plain_model_and_argument_errors():
 
 
 def test_sycl_step_is_reported():
-    from ipex_train import xpu
-
-    if not xpu.is_available():
-        pytest.skip(f"no SYCL device: {xpu.unavailable_reason()}")
+    need_sycl_device()
     model = nn.Linear(8, 8).train()
     m, opt = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), sycl=True)
     s = ipex_train.summary(m, opt)

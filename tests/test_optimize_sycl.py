@@ -7,13 +7,13 @@ import io
 
 import pytest
 import torch
+from sycl_required import need_sycl_device
 from torch import nn
 
 import ipex_train
 import ipex_train.xpu as sx
 
-if not sx.is_available():
-    pytest.skip(f"no SYCL device: {sx.unavailable_reason()}", allow_module_level=True)
+need_sycl_device(module=True)
 
 BF16 = torch.bfloat16
 OPTIMIZERS = {

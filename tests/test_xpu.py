@@ -20,13 +20,13 @@ import textwrap
 
 import pytest
 import torch
+from sycl_required import need_sycl_device
 
 import ipex_train
 import ipex_train.xpu as sx
 from ipex_train.optim import _fused, _registry, _reference
 
-if not sx.is_available():
-    pytest.skip(f"no SYCL device for kernels_xpu: {sx.unavailable_reason()}", allow_module_level=True)
+need_sycl_device(module=True)
 
 ops = torch.ops.ipex_train
 LAYOUTS = ["f32", "f64", "split_bf16", "bf16_master", "f16_master"]

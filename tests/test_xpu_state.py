@@ -27,11 +27,11 @@ import ipex_train
 import ipex_train.xpu as sx
 from ipex_train.optim import _fused, _registry
 from ipex_train.optim import _state_formats as sf
+from sycl_required import need_sycl_device
 from test_kernels import make_group, op_kind, to_storage, working
 from test_state_formats import FORMATS, SHAPES, STATE_CASES, _mlp, _train, check_against_reference
 
-if not sx.is_available():
-    pytest.skip(f"no SYCL device for kernels_xpu: {sx.unavailable_reason()}", allow_module_level=True)
+need_sycl_device(module=True)
 
 EXACT = ("sgd", "adam", "adamw", "adagrad")  # elementwise steps: every bit as the CPU kernels
 # Every case in the fp32 and split-bf16 layouts; the master layouts (the same staging, another storage access) and
