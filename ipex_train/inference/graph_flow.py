@@ -58,6 +58,6 @@ def trace_flow(model: nn.Module):
     """A GraphFlow from torch.fx.symbolic_trace(model), or the reason tracing failed (a short string)."""
     try:
         graph = torch.fx.Tracer().trace(model)
-    except Exception as e:  # any failure of symbolic tracing means "not proven", never an error for the caller
+    except Exception as e:  # noqa: BLE001 -- any failure of symbolic tracing means "not proven", not an error
         return f"torch.fx could not trace the model ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
     return GraphFlow(graph)
