@@ -50,6 +50,7 @@ class LoweringError(RuntimeError):
 def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=None, dynamic_dims=(0,)):
     """The converted pt2e GraphModule of ``model`` (the prepared fp32 copy, hooks removed) with the summary's
     scales; LoweringError naming what failed."""
+    from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     errors = []
@@ -64,7 +65,10 @@ def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=Non
     else:
         raise LoweringError("; ".join(errors))
     _set_qparams(prepared, {e["name"]: e for e in summary})
-    return convert_pt2e(prepared)
+    converted = move_exported_model_to_eval(convert_pt2e(prepared))
+    for m in converted.modules():  # captured from an eval model; the flag says so (exported modules refuse .eval())
+        m.training = False
+    return converted
 
 
 def _quantizer(summary):
