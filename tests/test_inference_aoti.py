@@ -121,6 +121,23 @@ def test_int8_package_loads_fresh_and_tracks_fp32(tmp_path):
             torch.testing.assert_close(out, graph(xi), atol=0.05, rtol=0.05)  # the package is the lowered graph
 
 
+def test_int8_one_input_channel_conv_package_keeps_dynamic_batch(tmp_path, caplog):
+    """torch 2.14.1's Inductor miscompiles an int8 conv with one input channel for a dynamic batch (wrong output
+    layout, garbage results): the lowering keeps that conv fp32 and the package stays right at every batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1),
+                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
+    x = torch.randn(8, 1, 8, 8)
+    with caplog.at_level("INFO", logger="ipex_train"):
+        graph = quantization.convert(_prepared(model, x), backend="pt2e", example_inputs=x)
+    assert "0 kept fp32 (one input channel" in caplog.text
+    path = inference.export(graph, x, backend="aoti", path=tmp_path / "one.pt2")
+    inputs = [(torch.randn(b, 1, 8, 8),) for b in (1, 8, 13)]
+    for (xi,), out in zip(inputs, _run_fresh(path, inputs, tmp_path)):
+        with torch.no_grad():
+            assert _cos(out, model(xi)) > 0.999
+
+
 def _graph_state(graph):
     return graph.code, {k: v.clone() for k, v in {**dict(graph.named_buffers()),
                                                   **dict(graph.named_parameters())}.items()}

@@ -13,12 +13,18 @@ dynamic unless the model specialises it (a reshape to a fixed batch, or an examp
 always specialises). AOTIConfig.dynamic_dims=(0, 1) also frees the sequence dim of token inputs;
 AOTIConfig.dynamic_shapes is handed to torch.export as is when the automatic rule does not fit. The dims that
 ended up dynamic are logged at INFO.
+
+Self-check: the package is loaded once after compiling and run on example_inputs against the model (cosine of
+each output >= 0.99: a miscompile check, not a precision one). A dynamic-shape package that fails it is
+recompiled with static shapes, with a warning (torch 2.14.1 miscompiles int8 convolutions with one input channel
+for a dynamic batch); a static one that fails raises RuntimeError.
 """
 from __future__ import annotations
 
 import copy
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -130,7 +136,39 @@ def export_package(model: nn.Module, args: tuple, path, config: AOTIConfig) -> s
     _log.info("ipex_train.inference.export(backend='aoti'): dynamic input dims %s", ", ".join(dims) or "none")
     options = {"freezing": config.freezing, **config.inductor_configs}
     with torch.no_grad():
-        return torch._inductor.aoti_compile_and_package(ep, package_path=os.fspath(path), inductor_configs=options)
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=os.fspath(path), inductor_configs=options)
+    bad = _self_check(path, model, args)
+    if bad and dims:
+        # Seen with torch 2.14.1: int8 convolutions with one input channel compiled for a dynamic batch write
+        # channels-last output where the rest of the code reads contiguous; static shapes compile correctly.
+        msg = (f"ipex_train.inference.export(backend='aoti'): the package compiled with dynamic dims "
+               f"{', '.join(dims)} does not reproduce the model ({bad}); recompiling with static shapes")
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        _log.warning(msg)
+        ep = capture(model, args, dynamic_shapes=dynamic_shapes_for(args, ()), strict=config.strict)
+        with torch.no_grad():
+            path = torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=options)
+        bad = _self_check(path, model, args)
+    if bad:
+        raise RuntimeError(f"ipex_train.inference.export(backend='aoti'): the compiled package {path} does not "
+                           f"reproduce the model on example_inputs ({bad}); use backend='torchscript'")
+    return path
+
+
+def _self_check(path, model, args, min_cosine=0.99):
+    """None when the package at ``path`` matches ``model`` on ``args`` (cosine of every output >= min_cosine, a
+    check for a miscompiled package, not for precision), else what differed."""
+    package = torch._inductor.aoti_load_package(path)
+    with torch.no_grad():
+        got, want = tree_leaves(package(*args)), tree_leaves(model(*args))
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a.shape != b.shape:
+            return f"output {i} has shape {tuple(a.shape)}, expected {tuple(b.shape)}"
+        if a.is_floating_point() and a.numel():
+            cos = torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+            if not cos >= min_cosine:
+                return f"output {i} cosine similarity {cos:.4f} < {min_cosine}"
+    return None
 
 
 def _has_quantize_ops(gm: torch.fx.GraphModule) -> bool:

@@ -15,7 +15,9 @@ JSON still decides them. How the summary maps:
   keep their input's scale as ipex_train's eager kernels do;
 * input_scales/input_zero_points: tensors no quantized op produced (the model input, an add written in place
   or with outputs_quantized false), from the Conv/Linear that reads them.
-Not mapped: post_op (Inductor fuses every relu it can), inputs_quantized of an add (Inductor decides whether
+Kept fp32 whatever the summary says, when dims are dynamic: convolutions with one input channel (torch 2.14.1's
+Inductor writes their int8 output in the wrong layout for a dynamic batch; they are cheap in fp32). Not mapped:
+post_op (Inductor fuses every relu it can), inputs_quantized of an add (Inductor decides whether
 the add fuses into the conv), and dtypes (uint8 activations, int8 weights: the only ones both take). A tensor the
 quantizer annotates but no summary entry describes stops the lowering: convert() then falls back to the eager
 int8 model, naming the tensor.
@@ -53,11 +55,16 @@ def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=Non
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
+    kept = [e["name"] for e in summary if e["type"].startswith("conv") and all(e["inputs_quantized"])
+            and model.get_submodule(e["name"]).in_channels == 1] if dynamic_shapes or dynamic_dims else []
+    if kept:
+        _log.info("ipex_train.quantization.convert(backend='pt2e'): %s kept fp32 (one input channel: torch 2.14.1 "
+                  "Inductor miscompiles such int8 convolutions for a dynamic batch)", ", ".join(kept))
     errors = []
     for strict in (True, False):  # strict first: non-strict capture breaks X86InductorQuantizer on reused modules
         try:
             ep = capture(model, args, dynamic_shapes=dynamic_shapes, dynamic_dims=dynamic_dims, strict=strict)
-            prepared = prepare_pt2e(ep.module(), _quantizer(summary))
+            prepared = prepare_pt2e(ep.module(), _quantizer(summary, kept))
             break
         except Exception as e:  # noqa: BLE001 -- capture and annotation raise many types; each means "try the next"
             errors.append(str(e) if isinstance(e, RuntimeError) else f"prepare_pt2e (strict={strict}): "
@@ -71,13 +78,13 @@ def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=Non
     return converted
 
 
-def _quantizer(summary):
+def _quantizer(summary, kept_fp32):
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
 
     quantizer = xiq.X86InductorQuantizer()
     quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
     for e in summary:
-        if e["type"] != "add" and not all(e["inputs_quantized"]):
+        if e["type"] != "add" and (not all(e["inputs_quantized"]) or e["name"] in kept_fp32):
             quantizer.set_module_name_qconfig(e["name"], None)
     return quantizer
 
