@@ -38,7 +38,9 @@ def pt2e_compile(model, x, calib):
     quantizer = xiq.X86InductorQuantizer()
     quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
     with torch.no_grad():
-        graph = torch.export.export(copy.deepcopy(model), (x,), strict=True).module()
+        # Batch dynamic: the calibration batches are smaller than the timed one.
+        graph = torch.export.export(copy.deepcopy(model), (x,), strict=True,
+                                    dynamic_shapes=({0: torch.export.Dim.AUTO},)).module()
         prepared = prepare_pt2e(graph, quantizer)
         for c in calib:
             prepared(c)
