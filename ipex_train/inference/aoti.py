@@ -99,7 +99,7 @@ def capture(model: nn.Module, args: tuple, *, dynamic_shapes=None, dynamic_dims=
     try:
         with torch.no_grad():
             return torch.export.export(model, args, dynamic_shapes=shapes, strict=strict)
-    except Exception as e:  # noqa: BLE001 -- torch.export raises many types; all mean "cannot capture"
+    except Exception as e:  # torch.export raises many types; all mean "cannot capture"
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise RuntimeError(f"torch.export (strict={strict}) could not capture {type(model).__name__}: "
                            f"{type(e).__name__}: {first}") from e
