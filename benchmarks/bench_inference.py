@@ -9,7 +9,12 @@ Models: ResNet-50 (torchvision, weights=None, 224x224) and a BERT-style encoder 
 * stock_jit: torch.jit.trace + freeze with torch's oneDNN fusion switch on;
 * ipex_train: fold_conv_bn + fold_linear_bn + replace_dropout, channels-last for the CNN (its input converted
   inside the timed call), then ipex_train.inference.export;
-* compile: torch.compile (skipped with --quick: it takes minutes per model and batch here).
+* compile: torch.compile (skipped with --quick: it takes minutes per model and batch here);
+* aoti_fp32, aoti_bf16: ipex_train.inference.export(backend="aoti") packages (torch.export + AOTInductor with
+  freezing; bf16 weights/compute, fp32 input cast inside), loaded with torch._inductor.aoti_load_package;
+  compile_fp32, compile_bf16: stock torch.compile with Inductor freezing (--compile, also with --quick).
+
+``--models resnet50,bert_encoder`` and ``--batches 1,16`` pick a subset.
 
 Each time is the median of interleaved repeats after warm-up; throughput is samples/s. A dynamic-shape section
 measures what a shape change costs an exported ResNet-50 (first calls at the new shape, then steady state) with
@@ -26,6 +31,7 @@ import torch
 import torchvision
 from torch import nn
 
+from benchmarks import aoti_variants
 from ipex_train import inference
 
 RESNET_TARGET = 1.7  # ipex_train export vs eager, ResNet-50 batch 16
@@ -103,16 +109,21 @@ def _case(name, make, batch, args):
     torch.manual_seed(0)
     model, shape = make()
     x = torch.randn((batch,) + shape)
-    builders = {"stock_jit": _stock_jit, "ipex_train": _ipex_train}
+    builders = {"stock_jit": _stock_jit, "ipex_train": _ipex_train,
+                "aoti_fp32": lambda m, x: aoti_variants.aoti(m, x, torch.float32),
+                "aoti_bf16": lambda m, x: aoti_variants.aoti(m, x, torch.bfloat16)}
     if not args.quick:
         builders["compile"] = _compiled
+    if args.compile:
+        builders["compile_fp32"] = lambda m, x: aoti_variants.compile_freezing(m, x, torch.float32)
+        builders["compile_bf16"] = lambda m, x: aoti_variants.compile_freezing(m, x, torch.bfloat16)
     fns = {"eager": model}
     build_s, skipped = {}, {}
     for variant, build in builders.items():
         start = time.perf_counter()
         try:
             fns[variant] = build(model, x)
-        except Exception as e:  # a variant that does not work here is reported, the others still run
+        except Exception as e:  # noqa: BLE001 -- a variant that fails here is reported, the others still run
             skipped[variant] = f"{type(e).__name__}: {e}"[:200]
             continue
         build_s[variant] = time.perf_counter() - start
@@ -120,7 +131,7 @@ def _case(name, make, batch, args):
         skipped["compile"] = "skipped with --quick (torch.compile takes minutes per model and batch here)"
     with torch.no_grad():
         ref = model(x)
-        err = {v: (fn(x) - ref).abs().max().item() for v, fn in fns.items() if v != "eager"}
+        err = {v: (fn(x).float() - ref).abs().max().item() for v, fn in fns.items() if v != "eager"}
     repeats = (3 if args.quick else 7) if batch > 1 else (5 if args.quick else 15)
     timing = _time_interleaved(fns, x, repeats, warmup=1)
     eager = timing["eager"]["median_s"]
@@ -165,14 +176,15 @@ def _verdict(ratio, spread):
 def run(args):
     """Run the benchmark (args.quick: fewer layers/repeats, no torch.compile; args.json: write results there);
     prints the table and the targets, returns the results dict."""
-    cases = [("resnet50", _resnet)] + [("bert_encoder", _bert(2 if args.quick else 4))]
+    cases = [(n, m) for n, m in (("resnet50", _resnet), ("bert_encoder", _bert(2 if args.quick else 4)))
+             if n in args.models.split(",")]
     results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "quick": bool(args.quick),
                "cases": []}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, quick={bool(args.quick)}")
     print(f"{'model':14s} {'batch':>5s} {'variant':11s} {'samples/s':>10s} {'vs eager':>9s} {'spread':>7s} "
           f"{'max err':>9s} {'build s':>8s}")
     for name, make in cases:
-        for batch in (1, 16):
+        for batch in (int(b) for b in args.batches.split(",")):
             case = _case(name, make, batch, args)
             results["cases"].append(case)
             for variant, r in case["variants"].items():
@@ -182,13 +194,15 @@ def run(args):
                       f"{r['spread']:6.0%} {err:>9s} {build:>8s}", flush=True)
             for variant, reason in case["skipped"].items():
                 print(f"{name:14s} {batch:5d} {variant:11s} skipped: {reason}")
-    results["dynamic_shapes"] = dyn = _dynamic_shapes()
-    print(f"\ndynamic shapes (ResNet-50 exported at batch 1, called at batch 2; eager batch 2: "
-          f"{dyn['eager_b2_s'] * 1e3:.0f} ms)")
-    for key in ("global_switch_off", "global_switch_on"):
-        d = dyn[key]
-        print(f"  {key}: steady b1 {d['steady_b1_s'] * 1e3:.0f} ms; b2 calls "
-              f"{', '.join(f'{t * 1e3:.0f}' for t in d['first_calls_b2_s'])} ms; steady b2 {d['steady_b2_s'] * 1e3:.0f} ms")
+    if not args.no_dynamic:
+        results["dynamic_shapes"] = dyn = _dynamic_shapes()
+        print(f"\ndynamic shapes (ResNet-50 exported at batch 1, called at batch 2; eager batch 2: "
+              f"{dyn['eager_b2_s'] * 1e3:.0f} ms)")
+        for key in ("global_switch_off", "global_switch_on"):
+            d = dyn[key]
+            print(f"  {key}: steady b1 {d['steady_b1_s'] * 1e3:.0f} ms; b2 calls "
+                  f"{', '.join(f'{t * 1e3:.0f}' for t in d['first_calls_b2_s'])} ms; "
+                  f"steady b2 {d['steady_b2_s'] * 1e3:.0f} ms")
 
     print("\ntargets")
     verdicts = []
@@ -205,6 +219,12 @@ def run(args):
             ratio = v["stock_jit"]["median_s"] / v["ipex_train"]["median_s"]
             spread = max(v["stock_jit"]["spread"], v["ipex_train"]["spread"])
             verdicts.append((f"{label}: ipex_train no slower than stock_jit", ratio, _verdict(ratio, spread)))
+        for ours, other in (("aoti_fp32", "ipex_train"), ("aoti_fp32", "compile_fp32"),
+                            ("aoti_bf16", "compile_bf16")):
+            if ours in v and other in v:
+                ratio = v[other]["median_s"] / v[ours]["median_s"]
+                spread = max(v[other]["spread"], v[ours]["spread"])
+                verdicts.append((f"{label}: {ours} no slower than {other}", ratio, _verdict(ratio, spread)))
     for text, ratio, verdict in verdicts:
         print(f"  {verdict:20s} {text} ({ratio:.2f}x)")
     results["targets"] = [{"target": t, "ratio": r, "verdict": v} for t, r, v in verdicts]
@@ -218,6 +238,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, 2 encoder layers, no torch.compile")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--models", default="resnet50,bert_encoder", help="comma-separated subset")
+    parser.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
+    parser.add_argument("--compile", action="store_true", help="add torch.compile (freezing) fp32/bf16 rows")
+    parser.add_argument("--no-dynamic", action="store_true", help="skip the dynamic-shape section")
     run(parser.parse_args(argv))
 
 

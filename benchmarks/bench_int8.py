@@ -11,7 +11,13 @@ BERT-style encoder (BertStyleEncoder below: d_model 768, 12 heads, FFN 3072, seq
 * int8: ipex_train.quantization prepare -> 2 calibration batches -> convert, called eagerly;
 * int8_jit: the same traced and frozen (the deploy artefact of seed 000);
 * fx_x86, fx_onednn: torch.ao prepare_fx/convert_fx with that engine's default qconfig mapping, traced and frozen;
-* fx_onednn_eager: that converted GraphModule called as it is (Python, like ipex_train's eager int8).
+* fx_onednn_eager: that converted GraphModule called as it is (Python, like ipex_train's eager int8);
+* int8_aoti: the same calibrated ipex_train PreparedModel through convert(backend="pt2e") (its qconf summary as a
+  torchao pt2e quantize/dequantize graph) and ipex_train.inference.export(backend="aoti"), loaded with
+  torch._inductor.aoti_load_package;
+* pt2e_compile: stock torchao pt2e (strict torch.export, X86InductorQuantizer, the same 2 calibration batches,
+  convert_pt2e) under torch.compile with freezing.
+``--models`` and ``--batches`` pick a subset; ``--no-inductor`` leaves the last two out.
 
 Each model is calibrated once (2 batches of 4); the traced variants are traced at each batch size, each FX
 variant under its own engine (torch.jit.freeze re-packs quantized weights under the engine active then, as a user
@@ -46,9 +52,12 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
+from benchmarks import aoti_variants
 from benchmarks.bench_inference import _ipex_train, _time_interleaved
 from ipex_train import quantization
-from ipex_train.quantization._kernels import ENGINE  # the engine convert() packs weights for
+from ipex_train.quantization._kernels import (
+    ENGINE,  # the engine convert() packs weights for
+)
 
 EXPORT_TARGET = 2.5  # int8 vs ipex_train fp32 export, ResNet-50 batch 16
 
@@ -103,12 +112,12 @@ def resnet50():
     return model
 
 
-def _int8(model, example, calib):
+def _calibrated(model, example, calib):
     prepared = quantization.prepare(model, example_inputs=example)
     with torch.no_grad():
         for c in calib:
             prepared(c)
-    return quantization.convert(prepared)
+    return prepared
 
 
 def _traced(model, x, engine=None):
@@ -185,33 +194,42 @@ def _build(make, shape):
     model = make()
     example, calib = torch.randn((1,) + shape), [torch.randn((4,) + shape) for _ in range(2)]
     built, build_s, skipped = {}, {}, {}
-    for variant, build in (("int8", lambda: _int8(model, example, calib)),
+    for variant, build in (("prepared", lambda: _calibrated(model, example, calib)),
+                           ("int8", lambda: quantization.convert(built["prepared"])),
                            ("fx_x86", lambda: _fx(model, "x86", example, calib)),
                            ("fx_onednn", lambda: _fx(model, "onednn", example, calib))):
         start = time.perf_counter()
         try:
             built[variant] = build()
-        except Exception as e:  # a variant that does not work here is reported, the others still run
+        except Exception as e:  # noqa: BLE001 -- a variant that fails here is reported, the others still run
             skipped[variant] = f"{type(e).__name__}: {e}"[:200]
             continue
         build_s[variant] = time.perf_counter() - start
-    return model, built, build_s, skipped
+    return model, built, build_s, skipped, calib
 
 
-def _case(name, model, built, build_s, skipped, shape, batch, args):
+def _case(name, model, built, build_s, skipped, calib, shape, batch, args):
     torch.manual_seed(batch)
     x = torch.randn((batch,) + shape)
-    fns, build_s = {"eager": model}, dict(build_s)
+    fns, build_s, skipped = {"eager": model}, dict(build_s), dict(skipped)
     tracers = {"fp32_export": lambda: _ipex_train(model, x), "int8": lambda: built["int8"],
                "int8_jit": lambda: _traced(built["int8"], x, ENGINE)}
     tracers.update({v: (lambda v=v: _traced(built[v], x, v[3:])) for v in ("fx_x86", "fx_onednn") if v in built})
     if "fx_onednn" in built:
         tracers["fx_onednn_eager"] = lambda: _engine_bound(built["fx_onednn"], "onednn")
+    if not args.no_inductor:
+        tracers["pt2e_compile"] = lambda: aoti_variants.pt2e_compile(model, x, calib)
+        if "prepared" in built:
+            tracers["int8_aoti"] = lambda: aoti_variants.int8_aoti(built["prepared"], x)
     for variant, trace in tracers.items():
         if variant.startswith("int8") and "int8" not in built:
             continue
         start = time.perf_counter()
-        fns[variant] = trace()
+        try:
+            fns[variant] = trace()
+        except Exception as e:  # noqa: BLE001 -- a variant that fails here is reported, the others still run
+            skipped[variant] = f"{type(e).__name__}: {e}"[:200]
+            continue
         build_s[variant] = build_s.get(variant, 0.0) + time.perf_counter() - start
     with torch.no_grad():
         ref = model(x).flatten()
@@ -230,13 +248,13 @@ def _case(name, model, built, build_s, skipped, shape, batch, args):
                        "vs_eager": _paired(per_round, "eager", v)["ratio"], "build_s": build_s.get(v),
                        "cosine": cos[v]}
     ratios = {}
-    for ours in ("int8", "int8_jit"):
+    for ours in ("int8", "int8_jit", "int8_aoti"):
         if ours not in per_round:
             continue
         r = {"vs_fp32_export": _paired(per_round, "fp32_export", ours)}
         # Like with like: the traced model against the traced stock models, the eager one against stock eager.
-        stock = [s for s in (("fx_x86", "fx_onednn") if ours == "int8_jit" else ("fx_onednn_eager",))
-                 if s in per_round]
+        like = {"int8_jit": ("fx_x86", "fx_onednn"), "int8": ("fx_onednn_eager",), "int8_aoti": ("pt2e_compile",)}
+        stock = [s for s in like[ours] if s in per_round]
         if stock:
             best = min(stock, key=lambda s: times[s])
             r["vs_best_stock"] = {"stock": best, **_paired(per_round, best, ours)}
@@ -269,8 +287,9 @@ def _new_shape(int8_model, x):
 def run(args):
     """Run every case, print the table and targets; returns (and with args.json writes) the results."""
     layers = 2 if args.quick else 4
-    cases = [("resnet50", resnet50, (3, 224, 224)),
-             ("bert_encoder", lambda: BertStyleEncoder(layers).eval(), (128, 768))]
+    cases = [c for c in (("resnet50", resnet50, (3, 224, 224)),
+                         ("bert_encoder", lambda: BertStyleEncoder(layers).eval(), (128, 768)))
+             if c[0] in args.models.split(",")]
     results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "quick": bool(args.quick),
                "pair_sums_saturate": quantization.pair_sums_saturate(), "cases": []}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, quick={bool(args.quick)}, "
@@ -279,7 +298,7 @@ def run(args):
           f"{'cosine':>8s} {'build s':>8s}")
     for name, make, shape in cases:
         built = _build(make, shape)
-        for batch in (1, 16):
+        for batch in (int(b) for b in args.batches.split(",")):
             case = _case(name, *built, shape, batch, args)
             results["cases"].append(case)
             for variant, r in case["variants"].items():
@@ -304,8 +323,8 @@ def run(args):
         label = f"{case['model']} b{case['batch']}"
         for ours, r in case["ratios"].items():
             if "vs_best_stock" in r:
-                kind = "traced" if ours == "int8_jit" else "eager"
-                targets.append(_target(f"{label}: {ours} >= best stock FX int8, {kind} "
+                kind = {"int8_jit": "traced", "int8": "eager", "int8_aoti": "Inductor"}[ours]
+                targets.append(_target(f"{label}: {ours} >= best stock int8, {kind} "
                                        f"({r['vs_best_stock']['stock']})", r["vs_best_stock"], 1.0))
             if case["model"] == "resnet50" and case["batch"] == 16:
                 targets.append(_target(f"{label}: {ours} >= {EXPORT_TARGET}x ipex_train fp32 export",
@@ -328,6 +347,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, 2 encoder layers")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--models", default="resnet50,bert_encoder", help="comma-separated subset")
+    parser.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
+    parser.add_argument("--no-inductor", action="store_true", help="leave out int8_aoti and pt2e_compile")
     run(parser.parse_args(argv))
 
 

@@ -1,10 +1,15 @@
 """INT8 deployment of the main job's digits CNN: train in fp32, calibrate on part of the training set, convert with
-ipex_train.quantization, trace + freeze + torch.jit.save, reload in a fresh process (plain torch, no ipex_train)
-and evaluate there: accuracy fp32 vs int8 and latency.
+ipex_train.quantization, then deploy it two ways and reload each in a fresh process (plain torch, no ipex_train)
+to evaluate there: accuracy fp32 vs int8 and latency.
+
+* torchscript: convert() (eager int8 kernels), trace + freeze + torch.jit.save -> digits_int8.pt;
+* aoti: convert(backend="pt2e") (the same qconf summary as a torchao pt2e graph) and
+  ipex_train.inference.export(backend="aoti") -> digits_int8.pt2, loaded with torch._inductor.aoti_load_package
+  (batch size dynamic). Compiling the package takes 10-40 s.
 
     python -m recipes.quantize_int8                 # report + out/quantize_int8/{metrics.json,quantize_int8.png,
-                                                    #   qconf.json,digits_int8.pt}
-    python -m recipes.quantize_int8 --epochs 3 --calib-batches 2
+                                                    #   qconf.json,digits_int8.pt,digits_int8.pt2}
+    python -m recipes.quantize_int8 --epochs 3 --calib-batches 2 --deploy torchscript
 """
 from __future__ import annotations
 
@@ -36,6 +41,9 @@ with torch.no_grad():
 print(json.dumps({"accuracy": float((pred == y).float().mean()), "latency_ms": 1e3 * statistics.median(ts),
                   "ipex_train_imported": "ipex_train" in sys.modules}))
 """
+
+_DEPLOY_AOTI = _DEPLOY.replace("torch.jit.freeze(torch.jit.load(sys.argv[1]).eval())",
+                               "torch._inductor.aoti_load_package(sys.argv[1])")
 
 
 def train_fp32(seed: int, epochs: int, image_size: int, batch_size: int = 64, progress: bool = False):
@@ -104,33 +112,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join("out", "quantize_int8"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--deploy", choices=("torchscript", "aoti", "both"), default="both",
+                        help="which deploy artefact(s) to build and reload")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     progress = not args.no_progress
-    from ipex_train import quantization
+    from ipex_train import inference, quantization
 
     model, (x_train, _), (x_test, y_test) = train_fp32(args.seed, args.epochs, args.image_size, progress=progress)
     prepared, int8 = calibrate_and_convert(model, x_train[:64 * args.calib_batches], 64, progress=progress)
     qconf = os.path.join(args.out, "qconf.json")
     prepared.save_qconf_summary(qconf)
-    saved = os.path.join(args.out, "digits_int8.pt")
     example = x_test[:args.batch_size]
-    with torch.no_grad():
-        traced = torch.jit.freeze(torch.jit.trace(int8, example))
-    traced.save(saved)
     data = os.path.join(args.out, "test_set.pt")
     torch.save((x_test, y_test), data)
-    proc = subprocess.run([sys.executable, "-c", _DEPLOY, saved, data, str(args.batch_size)], capture_output=True,
-                          text=True, check=True)
-    deployed = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = {"fp32 eager": {"accuracy": accuracy(model, x_test, y_test), "latency_ms": _latency_ms(model, example)},
-            "int8 eager": {"accuracy": accuracy(int8, x_test, y_test), "latency_ms": _latency_ms(int8, example)},
-            "int8 reloaded (fresh process)": deployed}
+            "int8 eager": {"accuracy": accuracy(int8, x_test, y_test), "latency_ms": _latency_ms(int8, example)}}
+    saved = {}
+    if args.deploy in ("torchscript", "both"):
+        saved["torchscript"] = os.path.join(args.out, "digits_int8.pt")
+        with torch.no_grad():
+            torch.jit.freeze(torch.jit.trace(int8, example)).save(saved["torchscript"])
+        rows["int8 reloaded (fresh process)"] = _reload(_DEPLOY, saved["torchscript"], data, args.batch_size)
+    if args.deploy in ("aoti", "both"):
+        saved["aoti"] = os.path.join(args.out, "digits_int8.pt2")
+        graph = quantization.convert(prepared, backend="pt2e", example_inputs=example)
+        inference.export(graph, example, backend="aoti", path=saved["aoti"])
+        rows["int8 AOTInductor (fresh process)"] = _reload(_DEPLOY_AOTI, saved["aoti"], data, args.batch_size)
+    deployed = next(r for name, r in rows.items() if "fresh process" in name)  # the accuracy line reports it
+    needs_ipex = any(r.get("ipex_train_imported") for r in rows.values())
     print(f"\n{'model':32s}{'accuracy':>10s}{'latency ms':>12s}   (batch {args.batch_size})")
     for name, r in rows.items():
         print(f"{name:32s}{100 * r['accuracy']:9.2f}%{r['latency_ms']:12.2f}")
-    diff = 100 * (rows["int8 reloaded (fresh process)"]["accuracy"] - rows["fp32 eager"]["accuracy"])
-    print(f"\nint8 - fp32 accuracy: {diff:+.2f} points; reload needed ipex_train: {deployed['ipex_train_imported']}")
+    diff = 100 * (deployed["accuracy"] - rows["fp32 eager"]["accuracy"])
+    print(f"\nint8 - fp32 accuracy: {diff:+.2f} points; reload needed ipex_train: {needs_ipex}")
     print(f"kept fp32: {quantization.fp32_ops(int8, example[:1]) or 'nothing'}")
     metrics = {"machine": _common.machine(), "args": vars(args), "results": rows, "accuracy_diff_points": diff,
                "qconf_summary": qconf, "saved_model": saved,
@@ -142,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     _plot(plot, rows)
     print(f"metrics: {os.path.abspath(path)}\nplot:    {os.path.abspath(plot)}\nqconf:   {os.path.abspath(qconf)}")
     return 0
+
+
+def _reload(script: str, saved: str, data: str, batch_size: int) -> dict:
+    """Accuracy and latency of the saved artefact, measured by ``script`` in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", script, saved, data, str(batch_size)], capture_output=True,
+                          text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _plot(path: str, rows: dict) -> None:

@@ -74,19 +74,62 @@ class _Residual(_Block):
         return self.bn(y) + y
 
 
+class _Branchy(_Block):
+    """Input-dependent control flow: torch.fx cannot trace it, so only a sample input proves the pair."""
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        return y if x.sum() > 0 else -y
+
+
 @pytest.mark.parametrize("conv, bn, shape", CONV_CASES, ids=["1d", "2d", "3d"])
-def test_fold_outside_sequential_needs_sample_input(conv, bn, shape, caplog):
+def test_fold_outside_sequential_is_proven_by_fx_trace(conv, bn, shape):
     torch.manual_seed(0)
     model = _randomize_bn(_Block(conv, bn))
+    original = copy.deepcopy(model)
+    assert inference.fold_conv_bn(model) == ["folded conv+bn"]
+    assert _count(model, bn) == 0
+    _assert_same(original, model, torch.randn(shape))
+
+
+@pytest.mark.parametrize("conv, bn, shape", CONV_CASES, ids=["1d", "2d", "3d"])
+def test_untraceable_model_needs_sample_input(conv, bn, shape, caplog):
+    torch.manual_seed(0)
+    model = _randomize_bn(_Branchy(conv, bn))
     original = copy.deepcopy(model)
     x = torch.randn(shape)
     with caplog.at_level(logging.INFO, logger="ipex_train"):
         report = inference.fold_conv_bn(model)
-    assert report[0].startswith("skipped conv+bn: ") and _count(model, bn) == 1
+    assert report[0].startswith("skipped conv+bn: torch.fx could not trace the model") and _count(model, bn) == 1
     assert len([r for r in caplog.records if r.name == "ipex_train"]) == 1
     assert inference.fold_conv_bn(model, sample_input=x) == ["folded conv+bn"]
     assert _count(model, bn) == 0
     _assert_same(original, model, x)
+    _assert_same(original, model, -x.abs())
+
+
+def test_unproven_pairs_are_summarised_in_one_short_line(caplog):
+    model = _randomize_bn(nn.Sequential(*[_Branchy(nn.Conv2d, nn.BatchNorm2d) for _ in range(5)]))
+    with caplog.at_level(logging.INFO, logger="ipex_train"):
+        report = inference.fold_conv_bn(model)
+    assert len(report) == 5 and all(r.startswith("skipped") for r in report)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "ipex_train"]
+    assert line.startswith("BatchNorm folding left 5 pair(s) unfolded, first: 0.conv+0.bn")
+    assert "2.conv+2.bn" in line and "3.conv+3.bn" not in line
+
+
+def test_optimize_folds_every_resnet_bn_without_sample_input():
+    torchvision = pytest.importorskip("torchvision")
+    import ipex_train
+
+    torch.manual_seed(0)
+    model = _randomize_bn(torchvision.models.resnet18(weights=None))
+    original = copy.deepcopy(model)
+    optimized = ipex_train.optimize(model.eval())
+    assert _count(original, nn.BatchNorm2d) == 20 and _count(optimized, nn.BatchNorm2d) == 0
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), original(x), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("with_sample", [True, False])
@@ -100,9 +143,8 @@ def test_shared_conv_output_is_not_folded(with_sample, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "ipex_train"]
     assert len(lines) == 1 and "0.conv+0.bn" in lines[0]
     assert isinstance(model[0].bn, nn.BatchNorm2d)
-    if with_sample:
-        assert "folded 1.conv+1.bn" in report and isinstance(model[1].bn, nn.Identity)
-        assert any(r.startswith("skipped 0.conv+0.bn: the layer output is also used elsewhere") for r in report)
+    assert "folded 1.conv+1.bn" in report and isinstance(model[1].bn, nn.Identity)
+    assert any(r.startswith("skipped 0.conv+0.bn: the layer output is also used elsewhere") for r in report)
     _assert_same(original, model, x)
 
 

@@ -316,11 +316,25 @@ def test_no_vnni_saturation_is_avoided():
 def test_recipe_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "recipes.quantize_int8", "--epochs", "1", "--image-size", "8", "--calib-batches", "1",
-                           "--no-progress", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env=env)
+                           "--no-progress", "--out", str(tmp_path), "--deploy", "torchscript"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "metrics.json").read_text())
     deployed = data["results"]["int8 reloaded (fresh process)"]
     assert deployed["ipex_train_imported"] is False and 0 <= deployed["accuracy"] <= 1
     assert json.loads((tmp_path / "qconf.json").read_text())[0]["name"] == "features.0"
     assert (tmp_path / "quantize_int8.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_recipe_smoke_aoti_deploy(tmp_path):
+    """The recipe's AOTInductor deploy: the int8 .pt2 package reloads in a fresh process without ipex_train and
+    keeps the eager int8 model's accuracy (the same qconf summary decides both)."""
+    proc = subprocess.run([sys.executable, "-m", "recipes.quantize_int8", "--epochs", "2", "--image-size", "8",
+                           "--calib-batches", "1", "--no-progress", "--out", str(tmp_path), "--deploy", "aoti"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "metrics.json").read_text())["results"]
+    deployed = results["int8 AOTInductor (fresh process)"]
+    assert deployed["ipex_train_imported"] is False
+    assert abs(deployed["accuracy"] - results["int8 eager"]["accuracy"]) <= 0.03
+    assert (tmp_path / "digits_int8.pt2").stat().st_size > 0

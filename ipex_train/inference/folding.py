@@ -1,9 +1,12 @@
-"""Fold eval-mode BatchNorm into the preceding Conv/Linear without torch.fx.
+"""Fold eval-mode BatchNorm into the preceding Conv/Linear.
 
 A (conv, bn) pair is folded only when it is proven that the BN consumes the conv output and nothing else does:
 
-* without a sample input: the two are consecutive children of an nn.Sequential whose forward is the stock one
-  (so the output goes straight from one to the other), each registered once in the model, with no hooks;
+* without a sample input: a torch.fx symbolic trace of the model shows it (see graph_flow.py: each called once,
+  the BN reads only the conv output, nothing else reads it); this folds every pair of torchvision's ResNets.
+  When the model cannot be traced (input-dependent control flow, HuggingFace models), only pairs that are
+  consecutive children of an nn.Sequential whose forward is the stock one are folded (the output goes straight
+  from one to the other), each registered once in the model, with no hooks;
 * with ``sample_input``: one forward pass (under no_grad, RNG state restored) records, for every tensor, which
   module produced it and how many torch calls consumed it. A pair is proven when each module ran once, the BN's
   input is the very tensor the conv returned, that tensor has exactly one consumer (the BN's batch_norm), and it
@@ -13,8 +16,8 @@ A (conv, bn) pair is folded only when it is proven that the BN consumes the conv
 Linear + BatchNorm1d is folded only with a sample input: BatchNorm1d normalises dim 1, which is the Linear's
 feature dim only for 2-D outputs, and only a forward pass shows the rank.
 
-Candidates that cannot be proven are left untouched, reported in the returned list and in one log line
-(logger "ipex_train"); the remaining pairs are still folded. The model is modified in place (the BN is replaced by
+Candidates that cannot be proven are left untouched, reported in the returned list and in one short log line
+(logger "ipex_train": the count and the first three); the remaining pairs are still folded. The model is modified in place (the BN is replaced by
 nn.Identity, the conv/linear weight and bias are rewritten in the existing Parameters); copying is the caller's
 decision.
 """
@@ -27,10 +30,13 @@ from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .graph_flow import GraphFlow, trace_flow
+
 logger = logging.getLogger("ipex_train")
 
 _CONV_BN = {nn.Conv1d: nn.BatchNorm1d, nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d}
 _LINEAR_BN = {nn.Linear: nn.BatchNorm1d}
+_LOGGED = 3  # skipped pairs named in the log line; the returned report lists every one
 
 # Calls that read only a tensor's metadata: they do not consume its values, so folding cannot change them.
 _METADATA = {"size", "dim", "stride", "numel", "is_contiguous", "is_floating_point", "__get__", "__len__"}
@@ -74,13 +80,20 @@ def _fold(model, sample_input, kinds, needs_sample):
     registrations = _registrations(model)
     candidates = _candidates(model, kinds)
     flow = _observe(model, sample_input, kinds) if sample_input is not None else None
+    graph = None
+    if flow is None and not needs_sample and any(type(m) in kinds.values() for m in model.modules()):
+        graph = trace_flow(model)
     if isinstance(flow, _Flow):
         known = {p.label for p in candidates}
         candidates.extend(p for p in flow.pairs if p.label not in known)
+    elif isinstance(graph, GraphFlow):
+        candidates.extend(_traced_pairs(model, graph, kinds, {p.label for p in candidates}))
     proven, skipped = {}, {}
     for pair in candidates:
         if isinstance(flow, _Flow):
             reason = flow.verdict(pair)
+        elif isinstance(graph, GraphFlow):
+            reason = graph.verdict(pair.first_name, pair.bn_name, pair.in_sequential)
         elif pair.in_sequential and not needs_sample:
             reason = None
         elif flow is not None:
@@ -88,7 +101,7 @@ def _fold(model, sample_input, kinds, needs_sample):
         elif needs_sample:
             reason = "needs sample_input to check the Linear output is 2-D"
         else:
-            reason = "not consecutive in an nn.Sequential; pass sample_input to prove the data flow"
+            reason = f"{graph}; pass sample_input to prove the data flow"
         if reason:
             skipped[pair.label] = reason
         else:
@@ -105,9 +118,25 @@ def _fold(model, sample_input, kinds, needs_sample):
         report.append(f"folded {label}")
     report.extend(f"skipped {label}: {reason}" for label, reason in skipped.items())
     if skipped:
-        logger.info("BatchNorm folding left %d pair(s) unfolded: %s", len(skipped),
-                    "; ".join(f"{label} ({reason})" for label, reason in skipped.items()))
+        first = list(skipped.items())[:_LOGGED]
+        logger.info("BatchNorm folding left %d pair(s) unfolded%s: %s%s", len(skipped),
+                    ", first" if len(skipped) > _LOGGED else "",
+                    "; ".join(f"{label} ({reason})" for label, reason in first),
+                    "; the returned report lists all" if len(skipped) > _LOGGED else "")
     return report
+
+
+def _traced_pairs(model, graph, kinds, known):
+    """Compatible (first, bn) pairs the traced graph connects that registration order did not already list."""
+    modules = dict(model.named_modules())
+    firsts = {name for name, m in modules.items() if type(m) in kinds}
+    pairs = []
+    for first_name, bn_name in graph.producer_pairs(firsts):
+        pair = _Pair(modules[first_name], modules[bn_name], first_name, bn_name)
+        if pair.label not in known and _compatible(pair.first, pair.bn, kinds):
+            known.add(pair.label)
+            pairs.append(pair)
+    return pairs
 
 
 def _registrations(model):

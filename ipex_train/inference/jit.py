@@ -113,7 +113,7 @@ def _warm_up(scripted, args, warmup):
         scripted(*args)
 
 
-def export(model, example_inputs, *, warmup=2, freeze=True, check_trace=True):
+def export_torchscript(model, example_inputs, *, warmup=2, freeze=True, check_trace=True):
     """Trace ``model`` (eval mode) on ``example_inputs``, freeze it, and run ``warmup`` calls under oneDNN Graph
     fusion (unless onednn_fusion_enabled() is False); returns the torch.jit.ScriptModule.
 

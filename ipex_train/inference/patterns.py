@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .jit import _fusion_group_ops, export, fused_groups
+from .jit import _fusion_group_ops, export_torchscript, fused_groups
 
 CONV_LIKE = ("conv1d", "conv2d", "conv3d", "linear", "convtranspose2d", "convtranspose3d")
 
@@ -130,7 +130,7 @@ def check(pattern, dtype=torch.float32):
     model, inputs = pattern.build(dtype)
     with torch.no_grad():
         want = model(*inputs)
-        scripted = export(model, inputs, check_trace=False)
+        scripted = export_torchscript(model, inputs, check_trace=False)
         got = scripted(*inputs)
     groups = fused_groups(scripted, inputs)
     ops = [_fusion_group_ops(g) for g in groups]

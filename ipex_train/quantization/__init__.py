@@ -21,8 +21,8 @@ quantize/dequantize mapping for it, so a quantize/dequantize reference graph ran
 0.94x of fp32) and onednn::qconv_pointwise (its weights are MKLDNN tensors, which TorchScript cannot save).
 
 Deprecation: torch 2.14 warns that torch.ao quantization and quantized tensors are deprecated in favour of
-torchao's pt2e flow (torch.compile based; with torch 2.14.1 + torchao 0.18 its X86InductorQuantizer failed on
-ResNet-50 here). The kernels used above still ship in torch 2.14; these warnings come from torch at convert().
+torchao's pt2e flow (torch.compile based; its X86InductorQuantizer needs strict torch.export capture on ResNet-50,
+which convert(backend="pt2e") uses). The kernels used above still ship in torch 2.14; these warnings come from torch at convert().
 
 No torch.fx: prepare() finds the ops by running the model once under module hooks and a TorchFunctionMode
 (see _graph.py), so data-dependent control flow and HuggingFace models quantize.
@@ -33,6 +33,9 @@ quantizes weights to 7 bits, which keeps every product exact (see _kernels.py; Q
 Bad inputs (docs/quantization_bad_inputs.md): a NaN/inf in a calibration batch raises naming the op and the batch
 (the batch is rolled back); scales outside [2**-42, 2**42] are refused by load_qconf_summary, save_qconf_summary
 and convert() alike; a zero calibrated range warns; convs take unbatched inputs; a NaN/inf input gives NaN outputs.
+
+Inductor: convert(prepared, backend="pt2e", example_inputs=x) lowers the same summary to a torchao pt2e
+quantize/dequantize graph (pt2e.py) for torch.compile or ipex_train.inference.export(backend="aoti").
 
 Dynamic shapes: the eager int8 model takes any batch size or sequence length; nothing is specialised to a shape
 (benchmarks/bench_int8.py times the first call at a new shape: within noise of the steady time here). A traced

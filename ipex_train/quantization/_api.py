@@ -140,17 +140,31 @@ def prepare(model, qconfig=default_static_qconfig, example_inputs=None, inplace=
     return PreparedModel(model, graph, qconfig, bits)
 
 
-def convert(prepared, inplace=False) -> QuantizedModel:
+def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dynamic_dims=(0,),
+            dynamic_shapes=None):
     """Build the int8 model from a calibrated (or summary-loaded) PreparedModel.
 
-    Conv/Linear ops whose summary entry has every input quantized become torch quantized modules (relu fused when
-    post_op is "relu"); int8 residual adds run quantized::add/add_relu; everything else stays fp32. ``inplace``
-    reuses the prepared model's module tree (the prepared model cannot be used afterwards); by default it is
-    copied. The result traces and freezes (torch.jit.trace + torch.jit.freeze) for torch.jit.save.
+    backend="eager" (default): Conv/Linear ops whose summary entry has every input quantized become torch quantized
+    modules (relu fused when post_op is "relu"); int8 residual adds run quantized::add/add_relu; everything else
+    stays fp32. ``inplace`` reuses the prepared model's module tree (the prepared model cannot be used
+    afterwards); by default it is copied. The result traces and freezes (torch.jit.trace + torch.jit.freeze) for
+    torch.jit.save, or ipex_train.inference.export(..., backend="torchscript").
+
+    backend="pt2e": the same summary lowered for Inductor as a torchao pt2e quantize/dequantize graph (a
+    torch.fx.GraphModule; see pt2e.py for what maps), captured with torch.export on ``example_inputs`` (a tensor
+    or a tuple of them; required) with ``dynamic_dims`` of every input dynamic (or ``dynamic_shapes`` as
+    torch.export takes it). Compile it with torch.compile, or package it with ipex_train.inference.export(...,
+    backend="aoti", path=...) using the same dynamic dims. When torch.export cannot capture the model (or the
+    quantizer annotates a tensor no summary entry describes) it warns, naming what failed, and returns the eager
+    int8 model instead. ``inplace`` must be False.
 
     The summary passes the same check as load_qconf_summary (ValueError naming the op and key, nothing changed),
     so a calibration that produced a scale the int8 kernels cannot use is refused here, not turned into NaNs.
     """
+    if backend not in ("eager", "pt2e"):
+        raise ValueError(f"convert(): backend must be 'eager' or 'pt2e', got {backend!r}")
+    if backend == "pt2e":
+        return _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes)
     if isinstance(prepared, QuantizedModel):
         raise TypeError("convert(): prepared is already converted (a QuantizedModel); convert the PreparedModel "
                         "returned by prepare() once")
@@ -197,6 +211,33 @@ def convert(prepared, inplace=False) -> QuantizedModel:
     if inplace:
         prepared._converted = True
     return QuantizedModel(model, adds, summary, fp32).eval()
+
+
+def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes):
+    from . import pt2e
+
+    if not isinstance(prepared, PreparedModel):
+        raise TypeError(f"convert(): prepared must be the PreparedModel returned by prepare(), got "
+                        f"{type(prepared).__name__}")
+    if inplace is not False:
+        raise ValueError("convert(): inplace must be False with backend='pt2e' (the graph is a new module)")
+    if example_inputs is None:
+        raise TypeError("convert(): backend='pt2e' needs example_inputs (a tensor or a tuple of them) for "
+                        "torch.export")
+    args, kwargs = _as_call(example_inputs)
+    if kwargs:
+        raise TypeError("convert(): backend='pt2e' takes positional example_inputs (a tensor or a tuple), not a dict")
+    if prepared._converted:
+        raise RuntimeError("convert(): this prepared model was already converted in place")
+    summary = prepared.qconf_summary()
+    _summary.validate(summary, prepared._graph.ops, "convert()")
+    model, _ = copy_model(prepared.model)
+    prepared._graph.remove_hooks(model)
+    try:
+        return pt2e.lower(model.eval(), summary, args, dynamic_shapes, dynamic_dims)
+    except pt2e.LoweringError as e:
+        pt2e.fallback_warning(str(e))
+    return convert(prepared)
 
 
 _CHANNELS_LAST = {nn.Conv2d: torch.channels_last, nn.Conv3d: torch.channels_last_3d}

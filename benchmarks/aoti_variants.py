@@ -1,0 +1,62 @@
+"""Builders of the torch.export / Inductor variants shared by bench_inference and bench_int8: ipex_train's
+AOTInductor packages (fp32, bf16, int8 through ipex_train.quantization) and the stock torchao pt2e int8 flow."""
+import copy
+import os
+import tempfile
+
+import torch
+
+from ipex_train import inference, quantization
+
+_DIR = tempfile.mkdtemp(prefix="ipex_bench_aoti_")  # packages stay on disk while the process runs them
+
+
+def aoti(model, x, dtype):
+    """ipex_train.inference.export(backend="aoti") at ``dtype``, loaded back with torch alone (fp32 input)."""
+    path = os.path.join(_DIR, f"{id(model)}_{x.shape[0]}_{dtype}.pt2".replace("torch.", ""))
+    inference.export(model, x, backend="aoti", path=path, config=inference.AOTIConfig(dtype=dtype))
+    return torch._inductor.aoti_load_package(path)
+
+
+def int8_aoti(prepared, x):
+    """A calibrated ipex_train PreparedModel lowered with convert(backend="pt2e") and packaged with AOTInductor."""
+    graph = quantization.convert(prepared, backend="pt2e", example_inputs=x)
+    if not isinstance(graph, torch.fx.GraphModule):  # the fallback's warning says why
+        raise TypeError(f"convert(backend='pt2e') fell back to the eager int8 model ({type(graph).__name__})")
+    path = os.path.join(_DIR, f"int8_{id(prepared)}_{x.shape[0]}.pt2")
+    inference.export(graph, x, backend="aoti", path=path)
+    return torch._inductor.aoti_load_package(path)
+
+
+def pt2e_compile(model, x, calib):
+    """Stock torchao pt2e: strict torch.export, X86InductorQuantizer, calibration, convert, torch.compile with
+    freezing (what a user would write without ipex_train)."""
+    import torch._inductor.config as inductor_config
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    quantizer = xiq.X86InductorQuantizer()
+    quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
+    with torch.no_grad():
+        # Batch dynamic: the calibration batches are smaller than the timed one.
+        graph = torch.export.export(copy.deepcopy(model), (x,), strict=True,
+                                    dynamic_shapes=({0: torch.export.Dim.AUTO},)).module()
+        prepared = prepare_pt2e(graph, quantizer)
+        for c in calib:
+            prepared(c)
+        converted = convert_pt2e(prepared)
+        inductor_config.freezing = True
+        compiled = torch.compile(converted)
+        compiled(x)
+    return compiled
+
+
+def compile_freezing(model, x, dtype):
+    """Stock torch.compile with Inductor freezing at ``dtype`` (input cast inside the call)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = True
+    compiled = torch.compile(copy.deepcopy(model).to(dtype))
+    with torch.no_grad():
+        compiled(x.to(dtype))
+    return lambda inp: compiled(inp.to(dtype))
