@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine. Each command sets up (or reuses) the virtual environment at .venv first.
 #   bash run.sh main    train a CNN on scikit-learn's digits with optimize(dtype=bfloat16) beside fp32, report + plot
-#   bash run.sh test    run the test suite
+#   bash run.sh test    lint (ruff) and run the test suite
 #   bash run.sh bench   run the quick benchmark suite (writes out/bench/)
 #   bash run.sh setup   only set up .venv (everything the tests need)
 set -euo pipefail
@@ -26,7 +26,9 @@ cmd="${1:-}"
 case "$cmd" in
   setup) setup test,recipes,xpu ;;
   main) setup recipes; exec "$PY" -m recipes.digits "$@" ;;
-  test) setup test,recipes,xpu; exec "$PY" -m pytest -q "$@" ;;
+  test) setup test,recipes,xpu
+    "$PY" -m ruff check ipex_train tests benchmarks recipes setup.py
+    exec "$PY" -m pytest -q "$@" ;;
   bench) setup recipes,xpu,peers; exec "$PY" -m benchmarks --quick "$@" ;;
   *) echo "usage: bash run.sh {main|test|bench|setup} [args]" >&2; exit 2 ;;
 esac

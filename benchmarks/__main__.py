@@ -80,7 +80,8 @@ def _plot_step(data: dict, out: str) -> list[str]:
         sel = [r for r in rows if r["size"] == size]
         xs = sorted({r["bytes_per_element"] for r in sel})
         lo, hi = min(xs) - 2, max(xs) + 2
-        ax.plot([lo, hi], [lo / roof, hi / roof], "k--", label=f"bandwidth floor ({roof:.1f} GB/s, a.add_(b), median of the rows' roofs)")
+        ax.plot([lo, hi], [lo / roof, hi / roof], "k--",
+                label=f"bandwidth floor ({roof:.1f} GB/s, a.add_(b), median of the rows' roofs)")
         for layout in sorted({r["layout"] for r in sel}):
             pts = [r for r in sel if r["layout"] == layout]
             ax.scatter([r["bytes_per_element"] for r in pts], [r["ns_per_param"] for r in pts], label=layout, s=28)

@@ -178,7 +178,8 @@ MEMORY_STEPS = 3
 
 
 # The variants memory targets are stated for (and their reference); the others' memory is not measured.
-MEMORY_VARIANTS = ("fp32", "optimize_bf16", "optimize_bf16_autocast", "optimize_bf16_emulated", "optimize_bf16_contiguous")
+MEMORY_VARIANTS = ("fp32", "optimize_bf16", "optimize_bf16_autocast", "optimize_bf16_emulated",
+                   "optimize_bf16_contiguous")
 
 
 def memory_run(model_name: str, variants: list[str], threads: int | None) -> dict[str, dict]:
@@ -286,7 +287,8 @@ def _targets(results: list[dict], by_model_fp32: dict[str, dict]) -> list[dict]:
             targets.append({"target": f"{label} peak RSS <= fp32 (MB, mmap threshold pinned)",
                             "value": mem["peak_mb"] / mem32["peak_mb"], "pass": mem["peak_mb"] <= mem32["peak_mb"]})
             targets.append({"target": f"{label} RSS growth during the run <= fp32 (MB, mmap threshold pinned)",
-                            "value": mem["run_mb"] / max(1.0, mem32["run_mb"]), "pass": mem["run_mb"] <= mem32["run_mb"]})
+                            "value": mem["run_mb"] / max(1.0, mem32["run_mb"]),
+                            "pass": mem["run_mb"] <= mem32["run_mb"]})
             gap = r["loss_vs_fp32"]
             targets.append({"target": f"{label} final loss within 1% of fp32 after {gap['steps']} steps "
                                       "(the target is stated at 50: full mode)"
@@ -317,9 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS),
                         help=f"default: all; with --quick: {' '.join(QUICK_VARIANTS)}")
     parser.add_argument("--cpu-isa", choices=("avx2",),
-                        help="run as on an AVX2-only CPU without bf16 units: oneDNN, MKL, ATen and ipex_train kernels "
-                             "limited to AVX2, optimize(bf16) on the emulated policy, torch's bf16 kernels counted slow "
-                             "(sets " + ", ".join(f"{k}={v}" for k, v in AVX2_ENV.items()) + " for the workers)")
+                        help="run as on an AVX2-only CPU without bf16 units: oneDNN, MKL, ATen and ipex_train "
+                             "kernels limited to AVX2, optimize(bf16) on the emulated policy, torch's bf16 kernels "
+                             "counted slow (sets " + ", ".join(f"{k}={v}" for k, v in AVX2_ENV.items())
+                             + " for the workers)")
     parser.add_argument("--pin-malloc", action="store_true", help=argparse.SUPPRESS)  # workers of the memory phase
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -145,7 +145,7 @@ def audit(name: str, build, inputs, logits) -> dict:
     model, opt = ipex_train.optimize(model, opt, dtype=BF16)
     count = Counter()
     kept: dict[str, dict] = defaultdict(lambda: {"count": 0, "numel": 0})
-    for module_name, module in model.named_modules():
+    for module in model.modules():
         for pname, p in module._parameters.items():
             if p is None:
                 continue

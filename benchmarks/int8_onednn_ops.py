@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import List, Optional  # noqa: F401  (named by _no_scalars' TorchScript type comment)
+from typing import List, Optional  # noqa: F401, UP035  (named by _no_scalars' TorchScript type comment)
 
 import torch
 import torch.ao.nn.quantized as nnq

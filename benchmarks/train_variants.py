@@ -6,8 +6,8 @@ Adding a variant is one function decorated with ``@variant(name)``: it gets the 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn

@@ -4,8 +4,7 @@
 """
 __version__ = "0.1.0"
 
-from . import _envvars, _ops  # noqa: F401  (loads the kernels and registers torch.ops.ipex_train)
-from . import optim
+from . import _envvars, _ops, optim  # noqa: F401  (_ops loads the kernels and registers torch.ops.ipex_train)
 from ._channels_last import disable_auto_channels_last, enable_auto_channels_last
 from ._info import info
 from ._memory import MemoryReport, memory_report
@@ -16,9 +15,9 @@ from .inference.jit import enable_onednn_fusion, onednn_fusion_enabled
 
 _envvars.apply_kernel_variable()  # a bad IPEX_TRAIN_KERNEL is raised at optimize() or the first kernel call
 
-__all__ = ["MemoryReport", "OptimizeConfig", "OptimizeSummary", "info", "memory_report", "optim", "optimize", "summary", "enable_onednn_fusion",
-           "onednn_fusion_enabled", "enable_auto_channels_last", "disable_auto_channels_last", "quantization",
-           "__version__"]
+__all__ = ["MemoryReport", "OptimizeConfig", "OptimizeSummary", "info", "memory_report", "optim", "optimize", "summary",
+           "enable_onednn_fusion", "onednn_fusion_enabled", "enable_auto_channels_last", "disable_auto_channels_last",
+           "quantization", "__version__"]
 
 
 def __getattr__(name):

@@ -15,9 +15,9 @@ from torch import nn
 
 from . import _record
 from ._dtensor import is_dtensor, local
-from ._training_optimizer import TrainingOptimizer, fused_entry, step_backend, user_class
 from ._master_weights import LOW_PRECISION, matmul_units, owners
 from ._memory import memory_report
+from ._training_optimizer import TrainingOptimizer, fused_entry, step_backend, user_class
 
 _log = logging.getLogger("ipex_train")
 
@@ -200,7 +200,8 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
         fp32_compute_convs=sum(map(compute_policy.slow_bf16_depthwise, model.modules()))
         if handle is not None and handle.policy == "native" else 0,
         frozen_tensors=len(frozen), frozen_elements=sum(local(p).numel() for p in frozen),
-        frozen_without_truth_elements=sum(local(p).numel() for p in frozen if p.dtype in LOW_PRECISION and p not in aux),
+        frozen_without_truth_elements=sum(local(p).numel() for p in frozen
+                                          if p.dtype in LOW_PRECISION and p not in aux),
         frozen_weights=(("low_precision" if masters.frozen_low_precision else "lossless")
                         if masters is not None else None))
 

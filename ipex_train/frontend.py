@@ -34,13 +34,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import _channels_last, _model_checks, _ops, _record, _summary, distributed
+from . import _channels_last, _model_checks, _ops, _record, _step_in_backward, _summary, distributed
 from . import config as _config
-from ._master_weights import (LOW_PRECISION, MasterWeights, convertible_parameters, register_input_casts,
-                              set_memory_format)
-from .config import OptimizeConfig
-from . import _step_in_backward
+from ._master_weights import (
+    LOW_PRECISION,
+    MasterWeights,
+    convertible_parameters,
+    register_input_casts,
+    set_memory_format,
+)
 from ._training_optimizer import TrainingOptimizer, has_fused_step, training_optimizer, user_class
+from .config import OptimizeConfig
 from .optim import _state_formats
 
 _log = logging.getLogger("ipex_train")
@@ -262,7 +266,8 @@ def optimize(model, optimizer=None, dtype=None, level=None, inplace=False, conv_
             (the same fused kernels, one parameter at a time) and free the grad, so the model's grads never exist
             at once; optimizer.step() then steps nothing. One backward per step: no gradient accumulation, no
             clipping (a second backward before step(), grads found at step(), or torch.nn.utils.clip_grad_norm_ /
-            clip_grad_value_ on these parameters raise RuntimeError), no DistributedDataParallel. optimizer.set_step_in_backward(False) turns it off.
+            clip_grad_value_ on these parameters raise RuntimeError), no DistributedDataParallel.
+            optimizer.set_step_in_backward(False) turns it off.
             Refused (ValueError) for torch.optim.LBFGS and for optimizer classes with a step of their own (it may
             read several parameters' grads at once) unless they set ``per_parameter_step = True``; accepted for the
             fused optimizers and torch.optim's per-parameter classes. A backward that raised part way is completed

@@ -190,7 +190,8 @@ def report(results: list[RunResult]) -> str:
     """A plain-text table of the runs, with ratios to the first run."""
     rows = [r.summary() for r in results]
     base = rows[0]
-    head = f"{'run':<26}{'step ms':>9}{'samples/s':>11}{'vs first':>9}{'peak MiB':>10}{'final loss':>12}{'accuracy':>10}"
+    head = (f"{'run':<26}{'step ms':>9}{'samples/s':>11}{'vs first':>9}{'peak MiB':>10}{'final loss':>12}"
+            f"{'accuracy':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"

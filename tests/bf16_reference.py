@@ -1,4 +1,5 @@
-"""Plain-torch references for model-level tests: an independent emulation emulation of optimize(dtype=torch.bfloat16) training, for model-level tests.
+"""Plain-torch references for model-level tests: an independent emulation of optimize(dtype=torch.bfloat16)
+training.
 
 The emulated arithmetic: every parameter of a Linear/Conv*/Embedding module (the layers the tests' models convert)
 has an fp32 master stepped by a plain torch.optim optimizer; the forward uses that master rounded to bf16 by the

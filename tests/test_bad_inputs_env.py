@@ -26,8 +26,8 @@ def _no_options_in_environment(monkeypatch):
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     """``code`` in a fresh interpreter whose environment is this one's plus ``env``."""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          check=False, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
 
 
 def _pair(seed: int = 0):

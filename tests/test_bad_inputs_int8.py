@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 import torch
+from int8_helpers import Residual, cos, quantize, residual_data
 from torch import nn
 
-from int8_helpers import Residual, cos, quantize, residual_data
 from ipex_train import quantization as q
 
 SCALE_RANGE = r"is not a positive number in \[2\*\*-42, 2\*\*42\]"

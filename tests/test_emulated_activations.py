@@ -1,6 +1,7 @@
 """optimize(dtype=bf16) under the emulated compute policy: activations stay fp32, and the only bf16<->fp32 casts of a
 train step are each converted parameter's (its fp32 copy in forward, again for backward, its grad back to bf16),
-with no bf16 matmul or convolution kernel, and autograd keeps no fp32 copy of a weight from forward to backward. The policy is forced, so these run the same on CPUs with and without bf16 units.
+with no bf16 matmul or convolution kernel, and autograd keeps no fp32 copy of a weight from forward to backward.
+The policy is forced, so these run the same on CPUs with and without bf16 units.
 
 Tolerance: with fp32 activations the forward is an fp32 computation on the bf16-rounded weights, so it matches an fp32
 model holding those rounded weights up to summation order (rtol 1e-5); weight grads are rounded to bf16 once (rtol

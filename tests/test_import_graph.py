@@ -128,7 +128,8 @@ def test_no_import_cycles():
 
 
 # optimize()'s glue and the SYCL step still read optim's private modules (registry, fused step, state formats,
-# checks, loaded-state checks); making those modules public inside the package (without the underscore) removes these lines.
+# checks, loaded-state checks); making those modules public inside the package (without the underscore) removes
+# these lines.
 KNOWN_PRIVATE_MODULE_CROSSINGS = {
     ("ipex_train._envvars", "ipex_train.optim._state_formats"),
     ("ipex_train._memory", "ipex_train.optim._fused"),

@@ -28,7 +28,8 @@ SHAPES = ((1,), (17,), (31, 33), (5, 7, 11), (75_013,))
 SMALL_SHAPES = SHAPES[:-1]  # for edge-case tests, where the threaded path adds only time
 STEPS = 5
 # fp32 vs the reference: the two compute each element in the same order up to torch's own FMA use and the lamb/lars
-# norms (one double sum in the reference, 16 double lane sums in the kernel), a few ulps after STEPS steps. fp64 is far tighter.
+# norms (one double sum in the reference, 16 double lane sums in the kernel), a few ulps after STEPS steps. fp64 is
+# far tighter.
 TOL = {"fp64": dict(rtol=1e-12, atol=1e-12)}
 TOL_F32 = dict(rtol=1e-6, atol=1e-6)
 
@@ -196,7 +197,7 @@ class Run:
     def check_against_reference(self) -> None:
         tol = TOL.get(self.layout, TOL_F32)
         for i, (w, r) in enumerate(zip(self.working(), self.ref_params)):
-            torch.testing.assert_close(w, r, **tol, msg=lambda m: f"param {i}: {m}")
+            torch.testing.assert_close(w, r, **tol, msg=lambda m, i=i: f"param {i}: {m}")
         for key, ref in self.ref_state.items():
             for i, r in enumerate(ref):
                 if r is None:  # SGD without momentum keeps no buffer
@@ -205,7 +206,7 @@ class Run:
                     assert float(self.state[self.params[i]][key]) == float(r)
                 else:
                     torch.testing.assert_close(self.kernel_state(key)[i], r, **tol,
-                                               msg=lambda m: f"{key}[{i}]: {m}")
+                                               msg=lambda m, key=key, i=i: f"{key}[{i}]: {m}")
         self.check_stored_rounding()
 
     def check_stored_rounding(self) -> None:
@@ -504,7 +505,7 @@ def test_fp32_matches_torch_optim(case, variant):
         st_mine, st_ref = holder.state[mine], torch_opt.state[ref]
         assert sorted(st_mine) == sorted(st_ref)
         for key in st_ref:
-            torch.testing.assert_close(st_mine[key], st_ref[key], **tol, msg=lambda m: f"{key}: {m}")
+            torch.testing.assert_close(st_mine[key], st_ref[key], **tol, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_split_bf16_training_tracks_fp32(variant):
@@ -628,7 +629,7 @@ def test_strided_tensors_match_contiguous(kind, layout, arrangement):
         n_store = len(expected) - len(states0)
         values = lambda objs: [working(layout, *(objs[:n_store] + [None])[:2])] + objs[n_store:]  # noqa: E731
         for i, (e, g) in enumerate(zip(values(expected), values(got))):
-            torch.testing.assert_close(g, e, **TOL.get(layout, TOL_F32), msg=lambda m: f"tensor {i}: {m}")
+            torch.testing.assert_close(g, e, **TOL.get(layout, TOL_F32), msg=lambda m, i=i: f"tensor {i}: {m}")
     else:
         for i, (e, g) in enumerate(zip(expected, got)):
             assert torch.equal(bits(g), bits(e)), f"tensor {i} differs"

@@ -17,8 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from ipex_train.optim import _checks, _layouts
-from ipex_train.optim import _fused, _registry
+from ipex_train.optim import _checks, _fused, _layouts, _registry
 
 SGD = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
 ADAM = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,

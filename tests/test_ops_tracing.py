@@ -86,7 +86,8 @@ def test_opcheck_aot_dispatch_with_none_aux(op):
 def test_opcheck_split_combine():
     torch.library.opcheck(ops.split_bf16.default, (torch.randn(SHAPE),))
     torch.library.opcheck(ops.combine_bf16.default, tuple(ops.split_bf16(torch.randn(SHAPE))))
-    torch.library.opcheck(ops.split_bf16.default, (torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),))
+    channels_last = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    torch.library.opcheck(ops.split_bf16.default, (channels_last,))
 
 
 def test_torch_compile_fullgraph():

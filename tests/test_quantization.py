@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from int8_helpers import Residual, cos, int8_layers, quantize, residual_data
 from torch import nn
 
 import ipex_train
 from benchmarks.bench_int8 import BertStyleEncoder, resnet50
 from ipex_train import quantization as q
-from int8_helpers import Residual, cos, int8_layers, quantize, residual_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -315,9 +315,9 @@ def test_no_vnni_saturation_is_avoided():
 
 def test_recipe_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "recipes.quantize_int8", "--epochs", "1", "--image-size", "8", "--calib-batches", "1",
-                           "--no-progress", "--out", str(tmp_path), "--deploy", "torchscript"], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=env)
+    proc = subprocess.run([sys.executable, "-m", "recipes.quantize_int8", "--epochs", "1", "--image-size", "8",
+                           "--calib-batches", "1", "--no-progress", "--out", str(tmp_path), "--deploy", "torchscript"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "metrics.json").read_text())
     deployed = data["results"]["int8 reloaded (fresh process)"]

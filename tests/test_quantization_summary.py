@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 import torchvision
+from int8_helpers import Residual, cos, quantize, residual_data
 from torch import nn
 
-from int8_helpers import Residual, cos, quantize, residual_data
 from ipex_train import quantization as q
 
 

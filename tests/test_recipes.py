@@ -232,9 +232,9 @@ def test_fsdp_recipe_two_processes(tmp_path):
         port = s.getsockname()[1]
     metrics, png, ckpt = tmp_path / "metrics.json", tmp_path / "fsdp.png", tmp_path / "ckpt"
     _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-          str(port), "-m", "recipes.fsdp_train", "--steps", str(STEPS), "--hidden", "32", "--layers", "1", "--seq-len", "16",
-          "--batch-size", "2", "--no-progress", "--json", str(metrics), "--plot", str(png), "--checkpoint",
-          str(ckpt)], timeout=300)
+          str(port), "-m", "recipes.fsdp_train", "--steps", str(STEPS), "--hidden", "32", "--layers", "1",
+          "--seq-len", "16", "--batch-size", "2", "--no-progress", "--json", str(metrics), "--plot", str(png),
+          "--checkpoint", str(ckpt)], timeout=300)
     data = json.loads(metrics.read_text())
     assert data["world_size"] == 2 and data["runs"][0]["batch_size"] == 4
     _check_losses(data["runs"][0]["losses"])

@@ -16,13 +16,13 @@ import zlib
 import pytest
 import torch
 import torch.nn as nn
+from test_kernels import CASES, make_group, op_kind, reference_state, reference_step, to_storage, working
 
 import ipex_train
 from ipex_train import _ops
 from ipex_train.optim import _fused, _registry
 from ipex_train.optim import _state_formats as sf
 from ipex_train.optim import functional as F
-from test_kernels import CASES, CASE_IDS, make_group, op_kind, reference_state, reference_step, to_storage, working
 
 FORMATS = {"bf16": torch.bfloat16, "int8": "int8"}
 SHAPES = ((4096,), (67, 71), (75_013,), (17,))  # whole blocks; a partial block, 2-D; several chunks; small (fp32)
@@ -175,7 +175,9 @@ def test_fresh_zero_state_is_the_encoding_of_zeros(fmt, signed):
     got = sf.zeros(p, fmt, signed)
     want = sf.encode(torch.zeros_like(p), p, fmt, signed)
     assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
-    assert torch.equal(got.view(torch.uint8) if fmt == "int8" else got, want.view(torch.uint8) if fmt == "int8" else want)
+    if fmt == "int8":  # compare the codes bit for bit
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    assert torch.equal(got, want)
 
 
 def test_kernel_int8_state_reencodes_to_the_same_codes():
@@ -420,7 +422,7 @@ def test_config_round_trips_the_option():
 DIGITS_SEEDS = (0, 1, 2, 3)
 
 
-@functools.lru_cache(maxsize=None)  # the fp32-state run is shared by both formats
+@functools.cache  # the fp32-state run is shared by both formats
 def _digits_run(opt_name: str, state_dtype, seed: int) -> tuple[float, float, frozenset]:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -467,7 +469,7 @@ def test_digits_reduced_state_matches_fp32_state(opt_name, fmt):
     assert all(abs(acc - acc32) <= 0.5 for (_, acc32, _), (_, acc, _) in runs), runs
 
 
-@functools.lru_cache(maxsize=None)  # the fp32-state run is shared by both formats
+@functools.cache  # the fp32-state run is shared by both formats
 def _transformer_lamb_run(state_dtype) -> tuple[float, float, set]:
     """recipes.transformer_lamb's task and model, small (2 layers of 64), bf16 weights, Lamb, 30 steps (still
     learning fast: loss ~0.25 from ln 4, where a wrong state shows; trained to ~0.01, losses differ by a few % with

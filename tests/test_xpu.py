@@ -24,7 +24,7 @@ from sycl_required import need_sycl_device
 
 import ipex_train
 import ipex_train.xpu as sx
-from ipex_train.optim import _fused, _registry, _reference
+from ipex_train.optim import _fused, _reference, _registry
 
 need_sycl_device(module=True)
 
@@ -155,10 +155,10 @@ def test_step_matches_cpu_kernels_and_reference(queue, kind, cfg_index, layout):
             if c.aux is not None:
                 assert torch.equal(d.aux, c.aux), f"aux[{i}] differs from the CPU kernel"
         else:
-            torch.testing.assert_close(d.working(), c.working(), **tol, msg=lambda m: f"params[{i}]: {m}")
+            torch.testing.assert_close(d.working(), c.working(), **tol, msg=lambda m, i=i: f"params[{i}]: {m}")
             if layout in ("bf16_master", "f16_master"):  # the 16-bit param is the rounding of its own master
                 assert torch.equal(d.param, d.aux.to(d.param.dtype))
-        torch.testing.assert_close(d.working(), ws[i], **tol, msg=lambda m: f"params[{i}] vs reference: {m}")
+        torch.testing.assert_close(d.working(), ws[i], **tol, msg=lambda m, i=i: f"params[{i}] vs reference: {m}")
     cpu_st = _state_tensors(cpu_state, [p.param for p in cpu])
     dev_st = _state_tensors(dev_state, [p.param for p in dev])
     assert [k for k, _ in dev_st] == [k for k, _ in cpu_st]
@@ -228,7 +228,7 @@ def test_training_run_matches_cpu_path(queue, opt_cls, kind):
     assert all(sx.is_usm(p.grad, queue) for p in dev_model.parameters()), "autograd moved a grad out of USM"
     for (name, c), (_, d) in zip(cpu_model.named_parameters(), dev_model.named_parameters()):
         assert sx.usm_kind(d, queue) == "shared"
-        torch.testing.assert_close(d, c, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(d, c, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     assert losses[-1] < losses[0]
 
 

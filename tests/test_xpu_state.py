@@ -22,14 +22,14 @@ import copy
 
 import pytest
 import torch
+from sycl_required import need_sycl_device
+from test_kernels import make_group, op_kind, to_storage, working
+from test_state_formats import FORMATS, SHAPES, STATE_CASES, _mlp, _train, check_against_reference
 
 import ipex_train
 import ipex_train.xpu as sx
 from ipex_train.optim import _fused, _registry
 from ipex_train.optim import _state_formats as sf
-from sycl_required import need_sycl_device
-from test_kernels import make_group, op_kind, to_storage, working
-from test_state_formats import FORMATS, SHAPES, STATE_CASES, _mlp, _train, check_against_reference
 
 need_sycl_device(module=True)
 
@@ -91,7 +91,7 @@ def test_sycl_matches_cpu_kernels(queue, kind, name, overrides, layout, fmt):
                 assert torch.equal(_bytes(da), _bytes(ca)), f"aux[{i}] differs from the CPU kernel"
         elif kind == "lamb" or cp.numel() < sf.MIN_NUMEL:
             torch.testing.assert_close(working(layout, dp, da), working(layout, cp, ca), rtol=1e-6, atol=1e-6,
-                                       msg=lambda m: f"params[{i}]: {m}")
+                                       msg=lambda m, i=i: f"params[{i}]: {m}")
         else:
             # Lars with reduced momentum: where a momentum value rounded the other way (one code or bf16 step
             # apart, see below), the param moved by that much more or less.

@@ -46,8 +46,9 @@ Mechanism
 forward runs (:func:`attach` registers a forward pre-hook that enters it and an ``always_call``
 forward hook that leaves it, on the model and on each submodule with children, so that a block
 recomputed by activation checkpointing during backward runs under it too), so nothing outside
-those forwards is touched and no global switch is flipped. The mode sees every torch call made from Python, so functional code (``torch.matmul``,
-``x @ w``, ``F.scaled_dot_product_attention``) is covered as well as ``nn.Linear``/``nn.Conv*``.
+those forwards is touched and no global switch is flipped. The mode sees every torch call made from Python, so
+functional code (``torch.matmul``, ``x @ w``, ``F.scaled_dot_product_attention``) is covered as well as
+``nn.Linear``/``nn.Conv*``.
 The Python composites of torch.nn.functional (``F.multi_head_attention_forward``, used by
 nn.MultiheadAttention and nn.TransformerEncoderLayer) run with the mode still active, so the
 linears and attention inside them are seen too.

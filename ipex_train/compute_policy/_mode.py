@@ -278,7 +278,8 @@ def _transparent(func: types.FunctionType) -> types.FunctionType | None:
     """
     if func.__module__ != F.__name__ or not any(name in func.__code__.co_names for name in _OVERRIDE_CHECKS):
         return None
-    copy = types.FunctionType(func.__code__, _F_WITHOUT_OVERRIDE_CHECK, func.__name__, func.__defaults__, func.__closure__)
+    copy = types.FunctionType(func.__code__, _F_WITHOUT_OVERRIDE_CHECK, func.__name__, func.__defaults__,
+                              func.__closure__)
     copy.__kwdefaults__ = func.__kwdefaults__
     return copy
 

@@ -42,7 +42,8 @@ def check(model: nn.Module, optimizer, dtype, inplace: bool, config, optimized_b
                            "parameters (and, with dtype=bfloat16, shards bf16 tops without their fp32 residuals), "
                            f"so the optimizer would train nothing. Start from the fp32 model: {_ORDER}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimize(): optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        raise TypeError("optimize(): optimizer must be a torch.optim.Optimizer or None, "
+                        f"got {type(optimizer).__name__}")
     if optimizer is None:
         raise ValueError("optimize(): a fully_shard model is for training here; pass its optimizer "
                          "(optimize(model, optimizer, inplace=True)), or optimize an unsharded copy for inference")

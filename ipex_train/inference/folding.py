@@ -17,9 +17,9 @@ Linear + BatchNorm1d is folded only with a sample input: BatchNorm1d normalises 
 feature dim only for 2-D outputs, and only a forward pass shows the rank.
 
 Candidates that cannot be proven are left untouched, reported in the returned list and in one short log line
-(logger "ipex_train": the count and the first three); the remaining pairs are still folded. The model is modified in place (the BN is replaced by
-nn.Identity, the conv/linear weight and bias are rewritten in the existing Parameters); copying is the caller's
-decision.
+(logger "ipex_train": the count and the first three); the remaining pairs are still folded. The model is modified
+in place (the BN is replaced by nn.Identity, the conv/linear weight and bias are rewritten in the existing
+Parameters); copying is the caller's decision.
 """
 import logging
 from dataclasses import dataclass

@@ -59,5 +59,6 @@ def trace_flow(model: nn.Module):
     try:
         graph = torch.fx.Tracer().trace(model)
     except Exception as e:  # noqa: BLE001 -- any failure of symbolic tracing means "not proven", not an error
-        return f"torch.fx could not trace the model ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+        first_line = str(e).splitlines()[0][:80] if str(e) else ""
+        return f"torch.fx could not trace the model ({type(e).__name__}: {first_line})"
     return GraphFlow(graph)

@@ -161,7 +161,8 @@ class IpexTrainPlugin:
                 raise ValueError(f"IpexTrainPlugin.prepare: the LR scheduler at position {i} drives another "
                                  "optimizer; create it on the optimizer passed to prepare()")
 
-        model, optimizer = optimize(model, optimizer, inplace=True, config=dataclasses.replace(self.config, dtype=dtype))
+        model, optimizer = optimize(model, optimizer, inplace=True,
+                                    config=dataclasses.replace(self.config, dtype=dtype))
         if accelerator.mixed_precision == "bf16" and dtype != torch.bfloat16:
             # optimize() attaches the policy only to bf16 models; fp32 weights under Accelerate's bf16 autocast
             # would otherwise run bf16 matmuls.

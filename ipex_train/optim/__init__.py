@@ -1,9 +1,8 @@
 """Optimizers torch.optim lacks (Lamb, Lars), the fused steps as typed functions (:mod:`.functional`), and the
 fused update used by ipex_train.optimize()."""
-from . import functional
+from . import _fused, functional
 from .lamb import Lamb
 from .lars import Lars
-from . import _fused
 
 _fused.check_against_kernels()  # after Lamb and Lars have registered their entries
 

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _state_formats
 from ._registry import FusedOptimizer
 
 
@@ -126,8 +125,8 @@ def unconvertible(entry: FusedOptimizer, group: Mapping[str, Any], i: int, p: Te
                   fmt: Any) -> ValueError:
     """The error for state tensor ``t`` (``key``) of ``params[i]`` that cannot be stored in format ``fmt``."""
     return ValueError(f"{_who(group, i, p, entry)}: {key!r} ({t.dtype}, shape {tuple(t.shape)}) cannot be stored as "
-                      f"{'fp32' if fmt is None else fmt.name.lower()} state of a parameter of shape {tuple(p.shape)}; expected a tensor shaped like "
-                      "the parameter")
+                      f"{'fp32' if fmt is None else fmt.name.lower()} state of a parameter of shape {tuple(p.shape)}; "
+                      "expected a tensor shaped like the parameter")
 
 
 def _who(group: Mapping[str, Any], i: int, p: Tensor, entry: FusedOptimizer) -> str:

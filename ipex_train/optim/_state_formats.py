@@ -23,7 +23,7 @@ survives save -> load bit for bit (bf16 -> fp32 -> bf16 is exact; for int8, ``en
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,7 +45,7 @@ class StateFormat(enum.Enum):
     INT8 = "int8"
 
 
-Format = Optional[StateFormat]
+Format = StateFormat | None
 _NAMES = {"int8": StateFormat.INT8, "bf16": StateFormat.BF16, "bfloat16": StateFormat.BF16, "fp32": None,
           "float32": None}
 ACCEPTED = "None or torch.float32 (fp32 state), torch.bfloat16 / 'bf16', or 'int8'"

@@ -22,7 +22,8 @@ quantize/dequantize mapping for it, so a quantize/dequantize reference graph ran
 
 Deprecation: torch 2.14 warns that torch.ao quantization and quantized tensors are deprecated in favour of
 torchao's pt2e flow (torch.compile based; its X86InductorQuantizer needs strict torch.export capture on ResNet-50,
-which convert(backend="pt2e") uses). The kernels used above still ship in torch 2.14; these warnings come from torch at convert().
+which convert(backend="pt2e") uses). The kernels used above still ship in torch 2.14; these warnings come from torch
+at convert().
 
 No torch.fx: prepare() finds the ops by running the model once under module hooks and a TorchFunctionMode
 (see _graph.py), so data-dependent control flow and HuggingFace models quantize.

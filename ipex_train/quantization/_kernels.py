@@ -38,7 +38,7 @@ def engine_scope():
         torch.backends.quantized.engine = before
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pair_sums_saturate() -> bool:
     """Whether this CPU's int8 linear/conv kernels (packed by ENGINE) saturate u8 x s8 pair sums to int16.
 

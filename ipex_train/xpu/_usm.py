@@ -21,14 +21,14 @@ def usm_tensor(shape: Sequence[int] | torch.Size, dtype: torch.dtype, queue=None
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"usm_tensor: dtype must be a torch.dtype, got {dtype!r}")
     shape = torch.Size(shape)
-    dpctl = _runtime.import_dpctl()
-    import dpctl.memory  # noqa: F401  (submodule)
+    _runtime.import_dpctl()  # points the OpenCL loader at the CPU driver before dpctl loads
+    from dpctl import memory  # a submodule `import dpctl` does not load
 
     q = _queue(queue)
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = math.prod(shape)
     # dpctl refuses empty allocations; an empty tensor keeps a one-element allocation.
-    mem = dpctl.memory.MemoryUSMShared(max(numel, 1) * itemsize, queue=q)
+    mem = memory.MemoryUSMShared(max(numel, 1) * itemsize, queue=q)
     # torch.frombuffer keeps `mem` (and so the allocation) alive for as long as the storage exists.
     flat = torch.frombuffer(mem, dtype=dtype)
     flat.zero_()
