@@ -284,7 +284,8 @@ def optimize(model, optimizer=None, dtype=None, level=None, inplace=False, conv_
             exact fp32 value (bf16 + int16 residual), as trainable ones do. "low_precision": it is held in ``dtype``
             alone (2 bytes instead of 4 with bf16): state_dict() then holds that rounded bf16 value, and stepping
             it later (after setting requires_grad=True) raises RuntimeError. The summary and memory lines count
-            frozen parameters separately.
+            frozen parameters separately. On fully_shard (FSDP2) models frozen weights stay fp32 shards (lossless);
+            "low_precision" is refused there (docs/distributed.md).
         config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through
             optimizer_state_dtype), instead of passing them one by one; a keyword argument given next to it must
             agree with the config's field (ValueError naming both otherwise); fields left None are read from the

@@ -15,7 +15,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .._master_weights import MasterWeights
 from .._training_optimizer import TrainingOptimizer, has_fused_step, training_optimizer, user_class
-from ..optim import sharded
 from ._optimizer import sharded_class
 
 _ORDER = ("fully_shard every block and the root, build the optimizer from model.parameters(), then call "
@@ -52,6 +51,13 @@ def check(model: nn.Module, optimizer, dtype, inplace: bool, config, optimized_b
                          "inplace=True (the order: " + _ORDER + ")")
     if config.sycl:
         raise ValueError("optimize(): sycl=True is not available for fully_shard models; leave sycl unset")
+    if config.frozen_weights == "low_precision":
+        # FSDP2 keeps one original dtype per unit and its fp32 shards are the only copy of the weights: storing
+        # the frozen ones in bf16 would mean bf16 originals beside fp32 ones in a unit (FSDP2 refuses that).
+        raise ValueError("optimize(): frozen_weights='low_precision' is not available for fully_shard models: "
+                         "FSDP2 keeps every original parameter of a unit fp32 (its shard is the only copy), so "
+                         "frozen weights stay fp32 shards and are cast to the MixedPrecisionPolicy's param_dtype "
+                         "for compute; leave frozen_weights unset or pass 'lossless'")
     plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if plain:
         raise ValueError(f"optimize(): {len(plain)} parameter(s) of the model are not sharded (e.g. {plain[0]!r}); "
@@ -77,7 +83,6 @@ def check(model: nn.Module, optimizer, dtype, inplace: bool, config, optimized_b
             raise ValueError(f"optimize(dtype={dtype}): the fully_shard unit {type(unit).__name__} computes in "
                              f"{have} (its MixedPrecisionPolicy.param_dtype); pass dtype={have} to optimize(), or "
                              "MixedPrecisionPolicy() (fp32) to fully_shard")
-    sharded.check_state_formats(user_class(optimizer), optimizer.param_groups, config.optimizer_state_dtype)
     in_model = {id(p) for p in model.parameters()}
     if any(id(p) not in in_model for g in optimizer.param_groups for p in g["params"]):
         raise ValueError("optimize(): the optimizer holds parameters that are not the sharded model's; build the "

@@ -6,7 +6,8 @@ param groups are torch's) and changes three things, all in :mod:`ipex_train.opti
 * the fused part of ``step`` steps the local shards;
 * ``state_dict`` returns the state as fp32 DTensors (reduced-byte state decoded shard by shard), what
   ``torch.distributed.checkpoint`` saves and reshards;
-* ``load_state_dict`` keeps the loaded fp32 DTensors (and the group dicts' identity); each group's ``state_dtype``
+* ``load_state_dict`` checks the checkpoint on every rank as one process does (a refusal on one rank raises on all,
+  nothing loaded), keeps the loaded fp32 DTensors (and the group dicts' identity); each group's ``state_dtype``
   re-encodes them at the next step.
 """
 from __future__ import annotations
@@ -35,8 +36,9 @@ class ShardedTrainingOptimizer(TrainingOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, keeping the param group dicts the same objects and each group's own
-        ``state_dtype`` (the checkpoint's state is fp32; the next step stores it in the group's format)."""
-        sharded.load_state_dict(self, state_dict)
+        ``state_dtype`` (the checkpoint's state is fp32; the next step stores it in the group's format). The
+        checkpoint is checked as in one process, on every rank, before any rank loads (a refusal raises on all)."""
+        sharded.load_state_dict(self, state_dict, self._fused_entry, f"{self._user_class.__name__}.load_state_dict()")
 
 
 _CLASSES: dict[type, type] = {}

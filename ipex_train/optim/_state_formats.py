@@ -149,6 +149,45 @@ def encode(x: Tensor, p: Tensor, fmt: Format, signed: bool) -> Tensor:
     return out
 
 
+_M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+_WEYL = 0x9E3779B1  # kWeyl in state_codec.h
+
+
+def _fmix32(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def param_key(call_key: int, index: int) -> int:
+    """The rounding key of the parameter at position ``index`` of a step with key ``call_key`` (param_key in
+    state_codec.h)."""
+    return _mix64(call_key ^ _mix64((index + 0x9E3779B97F4A7C15) & _M64))
+
+
+def encode_bf16_stochastic(x: Tensor, key: int) -> Tensor:
+    """fp32 ``x`` (dense) as bf16 state, rounded stochastically with the random bits the kernels draw for a state
+    tensor stepped with rounding key ``key`` (:func:`param_key`): unbiased, so small moment updates are kept on
+    average where round-to-nearest would drop them."""
+    # random_base(key, 0) and random16 of state_codec.h, for tensors of fewer than 2**31 elements.
+    base = _fmix32((key & _M32) + _fmix32(key >> 32 & _M32) & _M32)
+    flat = _flat(x.contiguous())
+    r = (torch.arange(flat.numel(), dtype=torch.int64) * _WEYL + base).bitwise_and_(_M32).bitwise_right_shift_(16)
+    u = flat.view(torch.int32).to(torch.int64).bitwise_and_(_M32)
+    bits = (u + r).bitwise_right_shift_(16)
+    bits = torch.where(torch.isnan(flat), u.bitwise_right_shift(16).bitwise_or_(0x40), bits)
+    bits = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
+    return bits.view(torch.bfloat16).view(x.shape)
+
+
 def zeros(p: Tensor, fmt: Format, signed: bool) -> Tensor:
     """Zero state of float32-based parameter ``p`` in reduced format ``fmt``: what ``encode`` gives for fp32 zeros
     (all-zero bytes: scale 0 and code 0), without encode's fp32 temporaries, which at the first step of a large

@@ -8,8 +8,11 @@ reshard a checkpoint. The packed int8 state of ``state_dtype="int8"`` has no par
 tensor (``state_dict()`` turns it into fp32 DTensors).
 
 Lamb and Lars scale each parameter's update by a ratio of whole-tensor norms, which a shard does not have: their
-step sums the shards' squares with one all_reduce per param group and mesh (every parameter's norms in one small
-tensor), then applies the rule of :mod:`ipex_train.optim._reference` to the local shards with foreach ops.
+step sums the shards' squares in fp64 with one all_reduce per param group and mesh (every parameter's norms in one
+small tensor), then applies the rule of :mod:`ipex_train.optim._reference` to the local shards with foreach ops.
+Reduced-byte state (bf16, int8) is decoded to fp32 for that update and stored back in its format with the kernels'
+encodings (stochastic rounding for bf16, the same int8 codes), at the points of the step where the kernels store
+it.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from . import _fused, _state_formats
+from . import _fused, _sharded_load, _state_formats
 from ._registry import FusedOptimizer
 from .lamb import Lamb
 from .lars import Lars
@@ -33,18 +36,6 @@ NORM_CLASSES = (Lamb, Lars)
 def needs_norms(entry: FusedOptimizer | None) -> bool:
     """Whether fused optimizer ``entry`` scales updates by whole-parameter norms (Lamb, Lars)."""
     return entry is not None and issubclass(entry.optimizer_class, NORM_CLASSES)
-
-
-def check_state_formats(optimizer_class: type, groups: list[dict[str, Any]], state_dtype) -> None:
-    """Raise ValueError when reduced-byte state is asked for (``state_dtype`` or a group's key) for an optimizer
-    class whose shard step does not keep it (Lamb, Lars)."""
-    key = _state_formats.GROUP_KEY
-    asked = _state_formats.parse(state_dtype, "optimizer_state_dtype") is not None or any(
-        _state_formats.parse(g.get(key), f"param group key {key!r}") is not None for g in groups)
-    if issubclass(optimizer_class, NORM_CLASSES) and asked:
-        raise ValueError(f"optimize(): reduced-byte optimizer state is not available for {optimizer_class.__name__} "
-                         "on fully_shard models (its step needs whole-parameter norms, computed here in fp32); leave "
-                         "optimizer_state_dtype unset, or use Adam/AdamW/SGD/Adagrad")
 
 
 def _wrap(t: Tensor, p: DTensor) -> Tensor:
@@ -107,52 +98,94 @@ def _global_norms(params: list[DTensor], a: list[Tensor], b: list[Tensor]) -> tu
     return norms[0].tolist(), norms[1].tolist()
 
 
+class _Working:
+    """The state lists of one Lamb/Lars shard step in fp32: reduced-byte state (:mod:`._state_formats`) decoded
+    for the update and stored back in its format by :meth:`settle`, as the kernels do per block."""
+
+    def __init__(self, entry: FusedOptimizer, group: dict[str, Any], local: dict[Tensor, dict], params: list[Tensor],
+                 lists: dict[str, list]):
+        self.local, self.params, self.lists = local, params, dict(lists)
+        self.signed = {spec.key: spec.signed for spec in entry.state if lists[spec.key]}
+        self.reduced = {k: [_state_formats.format_of(t) for t in lists[k]] for k in self.signed}
+        self.any_reduced = any(f is not None for fmts in self.reduced.values() for f in fmts)
+        self.key = _state_formats.call_key(group) if self.any_reduced else 0
+        for k, fmts in self.reduced.items():
+            self.lists[k] = [t if f is None else _state_formats.decode(t, p)
+                             for t, p, f in zip(lists[k], params, fmts)]
+
+    def settle(self, key: str) -> list[Tensor]:
+        """Store the updated fp32 values of state ``key`` in their formats; returns the values the stored state
+        decodes to (the fp32 lists themselves for fp32 state), which the rest of the step reads."""
+        out = self.lists[key]
+        if not any(f is not None for f in self.reduced[key]):
+            return out
+        settled = []
+        for i, (x, p, fmt) in enumerate(zip(out, self.params, self.reduced[key])):
+            if fmt is None:
+                settled.append(x)
+                continue
+            if fmt is _state_formats.StateFormat.BF16:
+                stored = _state_formats.encode_bf16_stochastic(x, _state_formats.param_key(self.key, i))
+            else:
+                stored = _state_formats.encode(x, p, fmt, self.signed[key])
+            self.local[p][key] = stored
+            settled.append(_state_formats.decode(stored, p))
+        return settled
+
+
 def _norm_step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
                params: list[DTensor]) -> None:
-    """Lamb / Lars on shards with whole-parameter norms (the rule of ipex_train.optim._reference)."""
-    if _state_formats.parse(group.get(_state_formats.GROUP_KEY), "state_dtype") is not None:
-        raise RuntimeError(f"{entry.optimizer_class.__name__}: reduced-byte optimizer state (state_dtype="
-                           f"{group[_state_formats.GROUP_KEY]!r}) is not available for Lamb/Lars on fully_shard "
-                           "parameters; use fp32 state (optimizer_state_dtype=None) or Adam/AdamW/SGD/Adagrad")
+    """Lamb / Lars on shards with whole-parameter norms (the rule of ipex_train.optim._reference), the state in
+    the group's format (:class:`_Working`)."""
     local = _local_state(state, params)
     lp = [p._local_tensor for p in params]
     grads = [p.grad._local_tensor for p in params]
-    lists = _fused.state_lists(entry, group, local, lp)
+    work = _Working(entry, group, local, lp, _fused.state_lists(entry, group, local, lp))
     rule = _lamb if issubclass(entry.optimizer_class, Lamb) else _lars
-    rule(group, lp, grads, lists, params)
+    rule(group, lp, grads, work, params)
     _store_state(state, params, local)
 
 
-def _lamb(group: dict[str, Any], w: list[Tensor], g: list[Tensor], lists: dict[str, list], params) -> None:
-    beta1, beta2 = (float(b) for b in group["betas"])
-    lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
-    m, v = lists["exp_avg"], lists["exp_avg_sq"]
-    torch._foreach_mul_(m, beta1)
-    torch._foreach_add_(m, g, alpha=1 - beta1)
-    torch._foreach_mul_(v, beta2)
-    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-    steps = torch.stack([s.reshape(()) for s in lists["step"]]).double().tolist()
-    bc1 = [1 - beta1 ** s if group["bias_correction"] else 1.0 for s in steps]
-    bc2 = [1 - beta2 ** s if group["bias_correction"] else 1.0 for s in steps]
+def _lamb_direction(m: list[Tensor], v: list[Tensor], w: list[Tensor], bc1: list[float], bc2: list[float],
+                    eps: float, wd: float) -> list[Tensor]:
     denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(v, bc2)), eps)
     u = torch._foreach_div(torch._foreach_div(m, bc1), denom)
     if wd:
         torch._foreach_add_(u, w, alpha=wd)
+    return u
+
+
+def _lamb(group: dict[str, Any], w: list[Tensor], g: list[Tensor], work: _Working, params) -> None:
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+    m, v = work.lists["exp_avg"], work.lists["exp_avg_sq"]
+    torch._foreach_mul_(m, beta1)
+    torch._foreach_add_(m, g, alpha=1 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+    steps = torch.stack([s.reshape(()) for s in work.lists["step"]]).double().tolist()
+    bc1 = [1 - beta1 ** s if group["bias_correction"] else 1.0 for s in steps]
+    bc2 = [1 - beta2 ** s if group["bias_correction"] else 1.0 for s in steps]
+    u = _lamb_direction(m, v, w, bc1, bc2, eps, wd)
     w_norms, u_norms = _global_norms(params, w, u)
+    # As the kernel: the norms from the fp32 direction, the update from the moments as stored (reduced state).
+    if work.any_reduced:
+        u = _lamb_direction(work.settle("exp_avg"), work.settle("exp_avg_sq"), w, bc1, bc2, eps, wd)
     scale = [-lr * (a / b if a > 0 and b > 0 else 1.0) for a, b in zip(w_norms, u_norms)]
     torch._foreach_add_(w, torch._foreach_mul(u, scale))
 
 
-def _lars(group: dict[str, Any], w: list[Tensor], g: list[Tensor], lists: dict[str, list], params) -> None:
+def _lars(group: dict[str, Any], w: list[Tensor], g: list[Tensor], work: _Working, params) -> None:
     lr, momentum, wd = float(group["lr"]), float(group["momentum"]), float(group["weight_decay"])
     eeta, epsilon = float(group["eeta"]), float(group["epsilon"])
     w_norms, g_norms = _global_norms(params, w, g)
     scale = [lr * (eeta * a / (b + wd * a + epsilon) if a > 0 and b > 0 else 1.0) for a, b in zip(w_norms, g_norms)]
-    buf = lists["momentum_buffer"]
+    buf = work.lists["momentum_buffer"]
     d = torch._foreach_add(g, w, alpha=wd) if wd else [t.clone() for t in g]
     torch._foreach_mul_(buf, momentum)
     torch._foreach_add_(buf, torch._foreach_mul(d, scale))
-    torch._foreach_sub_(w, buf)
+    torch._foreach_sub_(w, buf)  # as the kernel: the weight from the fp32 buffer, which is then stored
+    work.settle("momentum_buffer")
 
 
 def _fp32(value: Tensor, p: Tensor) -> Tensor:
@@ -179,11 +212,16 @@ def state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {**packed, "state": state}
 
 
-def load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+def load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], entry: FusedOptimizer | None,
+                    where: str) -> None:
     """Load as torch does, keeping the param group dicts the same objects and each group's own ``state_dtype``
     (the checkpoint's state is fp32; the next step stores it in the group's format, which gives back the saved
-    bits: bf16 and int8 state decode and re-encode exactly)."""
+    bits: bf16 and int8 state decode and re-encode exactly). The checkpoint is checked first on every rank
+    (:mod:`._sharded_load`, ``where`` starts the messages; ``entry``: the fused optimizer, None for others); a
+    load refused on one rank raises on all and changes nothing. Collective: every rank of the shard group calls
+    it."""
     groups = optimizer.param_groups
+    _sharded_load.check(entry, state_dict, groups, where)
     settings = _state_formats.own_settings(groups)
     torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
     for old, new in zip(groups, optimizer.param_groups):
