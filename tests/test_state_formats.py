@@ -294,6 +294,18 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     assert torch.equal(buf.float(), draws[7])  # reproducible from the key
 
 
+@pytest.mark.parametrize("key", [0, 7, 2**40 + 3, 2**63 - 1])
+def test_python_bf16_stochastic_encoding_matches_the_kernel_bits(key):
+    """encode_bf16_stochastic (the FSDP2 Lamb/Lars shard step's bf16 state) draws the kernels' random bits: SGD
+    momentum 0.5 from a zero buffer stores one rounding of each grad value, bit for bit the same."""
+    g = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 1e-3
+    g[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    buf = torch.zeros(5000, dtype=torch.bfloat16)
+    F.sgd([torch.zeros(5000)], [g], [buf], lr=0.0, momentum=0.5, state_key=key)
+    mine = sf.encode_bf16_stochastic(g, sf.param_key(key, 0))
+    assert torch.equal(mine.view(torch.int16), buf.view(torch.int16))
+
+
 def test_round_to_nearest_stalls_where_stochastic_rounding_does_not():
     # A momentum buffer decaying by 0.1% per step (momentum 0.999, zero grads): bf16 round-to-nearest keeps it
     # where it is (the change is below half a bf16 step), stochastic rounding follows 0.999^t on average.
