@@ -242,6 +242,36 @@ def test_fsdp_recipe_two_processes(tmp_path):
     assert (ckpt / ".metadata").exists()
 
 
+def test_fsdp_recipe_two_nodes_on_one_host(tmp_path):
+    """The multi-node launch of docs/distributed.md, both "nodes" on this host: two torchrun processes (--nnodes 2,
+    --node_rank 0 and 1, one process each) meeting at a c10d rendezvous on 127.0.0.1; ~20 s."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics = tmp_path / "metrics.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node",
+         "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "recipes.fsdp_train",
+         "--steps", str(STEPS), "--hidden", "32", "--layers", "1", "--seq-len", "16", "--batch-size", "2",
+         "--no-progress", "--json", str(metrics), "--plot", str(tmp_path / "fsdp.png")],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    for node, out in zip(nodes, outputs):
+        assert node.returncode == 0, out[-4000:]
+    data = json.loads(metrics.read_text())
+    assert data["world_size"] == 2 and data["runs"][0]["batch_size"] == 4
+    _check_losses(data["runs"][0]["losses"])
+
+
 @pytest.mark.parametrize("mode,variants", [("lora", "torch,ipex-int8-sib-ckpt"), ("full", "ipex-int8-sib"),
                                            ("trainer", "ipex")])
 def test_llm_finetune(tmp_path, mode, variants):
