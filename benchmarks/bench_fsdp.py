@@ -12,7 +12,8 @@ The model is a Llama-style decoder built from a transformers config (hidden 512,
 
 * ``torch``: ``torch.optim.AdamW(fused=True)`` on the DTensor parameters (torch's fused op has a DTensor rule);
 * ``ipex_bf16``: ``ipex_train.optimize(model, AdamW, dtype=bfloat16, inplace=True)`` (fused step on the shards);
-* ``ipex_bf16_int8_sib``: the same with ``optimizer_state_dtype="int8", step_in_backward=True``.
+* ``ipex_bf16_int8_sib``: the same with ``optimizer_state_dtype="int8", step_in_backward=True``;
+* ``ipex_bf16_int8`` and ``ipex_bf16_sib``: each of the two options alone, to tell their costs apart.
 
 Memory: each variant in fresh ranks with glibc's mmap threshold pinned (freed tensors leave the RSS); per rank,
 the RSS after the model is sharded and the optimizer built is the baseline, then the peak RSS over the steps
@@ -21,8 +22,9 @@ optimizer state, the gathered bf16 copies of the units in flight and activations
 ``ipex_train.memory_report`` (per rank: shards, grads and state, tensors only), and the persistent part predicted.
 
 Time: all variants in the same ranks, steps interleaved round-robin (torch, ipex, ipex, torch, ...), median of the
-steps after the first two per variant (forward + backward + step, wall time on rank 0), and of optimizer.step()
-alone (inside backward with step_in_backward, whose step() then steps nothing).
+steps after the first two per variant (forward + backward + step, wall time on rank 0), and of each phase on rank 0:
+forward (with the loss), backward and optimizer.step() (inside backward with step_in_backward, whose step() then
+steps nothing).
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ VARIANTS = {
     "torch": None,
     "ipex_bf16": {},
     "ipex_bf16_int8_sib": {"optimizer_state_dtype": "int8", "step_in_backward": True},
+    "ipex_bf16_int8": {"optimizer_state_dtype": "int8"},
+    "ipex_bf16_sib": {"step_in_backward": True},
 }
 SIZES = {"full": {"hidden": 512, "layers": 10, "vocab": 8192}, "quick": {"hidden": 64, "layers": 2, "vocab": 256}}
 
@@ -98,14 +102,18 @@ def build(size: dict, variant: str):
     return ipex_train.optimize(model, optimizer, dtype=torch.bfloat16, inplace=True, **options)
 
 
-def step(model, optimizer, tokens: torch.Tensor) -> float:
-    """One training step (next-token loss); returns the seconds optimizer.step() took."""
+def step(model, optimizer, tokens: torch.Tensor) -> tuple[float, float, float]:
+    """One training step (next-token loss); returns the seconds of the forward (with the loss), the backward and
+    optimizer.step()."""
     optimizer.zero_grad(set_to_none=True)
-    logits = model(input_ids=tokens[:, :-1]).logits
-    F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
     t0 = time.perf_counter()
+    logits = model(input_ids=tokens[:, :-1]).logits
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
     optimizer.step()
-    return time.perf_counter() - t0
+    return t1 - t0, t2 - t1, time.perf_counter() - t2
 
 
 def _tokens(args, vocab: int) -> torch.Tensor:
@@ -136,17 +144,22 @@ def time_rank(args, size: dict, variants: list[str]) -> dict:
     runs = {v: build(size, v) for v in variants}
     tokens = _tokens(args, size["vocab"])
     times: dict[str, list[float]] = {v: [] for v in variants}
-    opt_times: dict[str, list[float]] = {v: [] for v in variants}
+    phases: dict[str, list[tuple[float, float, float]]] = {v: [] for v in variants}
     for i in range(args.steps):
         order = variants if i % 2 == 0 else variants[::-1]
         for v in order:
             dist.barrier()
             t0 = time.perf_counter()
-            opt_times[v].append(step(*runs[v], tokens))
+            phases[v].append(step(*runs[v], tokens))
             dist.barrier()
             times[v].append(time.perf_counter() - t0)
-    return {v: {"median_ms": 1e3 * statistics.median(t[2:] or t), "steps_ms": [1e3 * x for x in t],
-                "optimizer_step_median_ms": 1e3 * statistics.median(opt_times[v][2:] or opt_times[v])}
+
+    def median_ms(values: list[float]) -> float:
+        return 1e3 * statistics.median(values[2:] or values)
+
+    return {v: {"median_ms": median_ms(t), "steps_ms": [1e3 * x for x in t],
+                **{f"{name}_median_ms": median_ms([p[k] for p in phases[v]])
+                   for k, name in enumerate(("forward", "backward", "optimizer_step"))}}
             for v, t in times.items()}
 
 
@@ -200,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"FSDP2, 2 ranks x {args.threads} thread(s), {base[0]['params'] / 1e6:.1f}M params, batch {args.batch} x "
           f"{args.seq} tokens per rank")
     print(f"{'variant':<22}{'B/param/rank':>13}{'vs torch':>9}{'accounted':>10}{'step ms':>9}{'vs torch':>9}"
-          f"{'opt.step ms':>12}")
+          f"{'fwd ms':>8}{'bwd ms':>8}{'opt.step ms':>12}")
     rows = {}
     for v, ranks in memory.items():
         worst = max(r["bytes_per_param_rank"] for r in ranks)
@@ -208,10 +221,11 @@ def main(argv: list[str] | None = None) -> None:
         rows[v] = {"bytes_per_param_rank": worst, "accounted_bytes_per_param_rank": accounted,
                    "memory_vs_torch": worst / max(r["bytes_per_param_rank"] for r in base),
                    "step_ms": timing[v]["median_ms"], "time_vs_torch": timing[v]["median_ms"] /
-                   timing["torch"]["median_ms"], "optimizer_step_ms": timing[v]["optimizer_step_median_ms"]}
+                   timing["torch"]["median_ms"], "optimizer_step_ms": timing[v]["optimizer_step_median_ms"],
+                   "forward_ms": timing[v]["forward_median_ms"], "backward_ms": timing[v]["backward_median_ms"]}
         r = rows[v]
         print(f"{v:<22}{worst:>13.2f}{r['memory_vs_torch']:>8.2f}x{accounted:>10.2f}{r['step_ms']:>9.0f}"
-              f"{r['time_vs_torch']:>8.2f}x{r['optimizer_step_ms']:>12.1f}")
+              f"{r['time_vs_torch']:>8.2f}x{r['forward_ms']:>8.0f}{r['backward_ms']:>8.0f}{r['optimizer_step_ms']:>12.1f}")
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
                 "cpu": ipex_train.info()["cpu"], "torch": torch.__version__, "args": vars(args) | {"json": None},
