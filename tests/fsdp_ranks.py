@@ -229,6 +229,10 @@ def task_reduced_norms() -> dict:
             out[f"{name}_{state}"] = full(m)
             out[f"{name}_{state}_dtypes"] = sorted({str(v.dtype) for st in opt.state.values() for k, v in st.items()
                                                     if k != "step"})
+    m, opt = sharded(make_model=norm_model, make_opt=OPTIMIZERS["lamb"], optimizer_state_dtype="int8",
+                     step_in_backward=True)
+    train(m, opt, STEPS)
+    out["lamb_int8_step_in_backward"] = full(m)
     return out
 
 
@@ -282,6 +286,7 @@ def _bad_checkpoints(good: dict, param: torch.Tensor) -> dict:
         "not_a_tensor": edited(lambda st: st.update(exp_avg=[0.0] * 4)),
         "plain_whole_tensor": edited(lambda st: st.update(exp_avg=st["exp_avg"].full_tensor())),
         "group_count": {**copy.deepcopy(good), "param_groups": []},
+        "group_without_params": {**copy.deepcopy(good), "param_groups": [{}]},
     }
 
 

@@ -204,6 +204,13 @@ def test_reduced_state_norm_optimizers_match_one_process(two, name, state):
     assert _relative_distance(got[f"{name}_{state}"], ref, start) <= 2 * rounding
 
 
+def test_reduced_state_lamb_in_backward_matches_step(two):
+    """Lamb with int8 state stepped inside backward (one parameter per call, its norms summed across the ranks in
+    the hook) gives the weights of the step() run: the int8 encoding is deterministic."""
+    got = _ok(two[0]["reduced_norms"])
+    _close(got["lamb_int8_step_in_backward"], got["lamb_int8"], 1e-6)
+
+
 def test_frozen_weights_on_shards(two):
     """A frozen Linear under FSDP2 (frozen_weights unset or 'lossless'): it stays fp32 and unchanged, and the rest
     trains as one process with the same layer frozen. 'low_precision' is refused (test_refused_orders)."""
@@ -221,7 +228,8 @@ BAD_LOADS = {"missing": r"state\[0\] holds .* but not 'exp_avg_sq'", "missing_st
              "wrong_shape": r"\['exp_avg'\] is of shape \(4, 3\); expected .* \(2048, 12\)",
              "int_dtype": r"\['exp_avg'\] is a torch.int8 tensor", "not_a_tensor": r"\['exp_avg'\] is a list",
              "plain_whole_tensor": r"\['exp_avg'\] is a plain tensor .* DTensor laid out like it",
-             "group_count": "the checkpoint has 0 param groups, the optimizer 1"}
+             "group_count": "the checkpoint has 0 param groups, the optimizer 1",
+             "group_without_params": r"not a well-formed optimizer state_dict \(KeyError: 'params'\)"}
 
 
 @pytest.mark.parametrize("state", ["fp32", "int8"])

@@ -66,6 +66,10 @@ def _problem(entry: FusedOptimizer | None, state_dict: Any, groups: Sequence[Map
         _check_layouts(state_dict, groups, where)
     except (ValueError, TypeError) as e:
         return e
+    except Exception as e:  # noqa: BLE001 -- a malformed checkpoint is this rank's refusal, which the other ranks
+        # must learn (raising here alone would leave them waiting in the agreement's collective)
+        return ValueError(f"{where}: the checkpoint is not a well-formed optimizer state_dict "
+                          f"({type(e).__name__}: {e})")
     return None
 
 
