@@ -2,7 +2,8 @@
 
 :func:`spawn` starts ``world`` ranks once for a list of tasks; each task returns picklable results, which rank 0
 (or every rank, for per-rank figures) writes to a file the test reads. The model has uneven shards: its Linear
-layers have 7 and 3 rows, so 4 ranks hold 2/2/2/1 and 1/1/1/0 rows (one rank holds none).
+layers have 7 and 3 rows, so 4 ranks hold 2/2/2/1 and 1/1/1/0 rows (one rank holds none). The tasks on reduced-byte
+state with Lamb/Lars, frozen weights and bad checkpoints are in fsdp_ranks_state.py.
 """
 from __future__ import annotations
 
@@ -46,14 +47,6 @@ def wide_model() -> nn.Module:
     """A model whose weights are large enough (>= 4096 elements per shard) for reduced-byte optimizer state."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(12, 2048), nn.GELU(), nn.Linear(2048, 3))
-
-
-def norm_model() -> nn.Module:
-    """Uneven shards large enough for reduced-byte state on every rank at 2 ranks: 1025 and 9 rows (513/512 and 5/4
-    rows per rank, each shard >= 4096 elements, rank 1's int8 blocks starting mid-block of the whole weight), then
-    a 3-row Linear whose shards keep fp32 state."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 1025), nn.GELU(), nn.Linear(1025, 9), nn.GELU(), nn.Linear(9, 3))
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -153,7 +146,8 @@ def task_bf16() -> dict:
             "reasons": sorted({k.reason for k in summary.kept})}
 
 
-def _error(fn) -> str:
+def error(fn) -> str:
+    """``fn()``'s ValueError/RuntimeError/TypeError as "Type: message", or "no error"."""
     try:
         fn()
     except (ValueError, RuntimeError, TypeError) as e:
@@ -169,13 +163,13 @@ def task_refusals() -> dict:
         m = shard(model())
         ipex_train.optimize(m, torch.optim.AdamW(m.parameters()), inplace=False)
 
-    out["inplace_false"] = _error(copy)
+    out["inplace_false"] = error(copy)
     m = shard(model())
     opt = torch.optim.AdamW(m.parameters())
-    out["no_policy"] = _error(lambda: ipex_train.optimize(m, opt, dtype=torch.bfloat16, inplace=True))
+    out["no_policy"] = error(lambda: ipex_train.optimize(m, opt, dtype=torch.bfloat16, inplace=True))
     out["unchanged"] = type(opt) is torch.optim.AdamW and not hasattr(m, "_ipex_train_masters")
     m = shard(model(), bf16_policy())
-    out["fp32_on_bf16_policy"] = _error(
+    out["fp32_on_bf16_policy"] = error(
         lambda: ipex_train.optimize(m, torch.optim.AdamW(m.parameters()), inplace=True))
 
     def optimize_then_shard(dtype):
@@ -189,7 +183,7 @@ def task_refusals() -> dict:
         before = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
         x, y = _batch()
         loss_fn(m(x), y).backward()
-        err = _error(opt.step)
+        err = error(opt.step)
         after = [p.detach() for g in opt.param_groups for p in g["params"]]
         return err, all(torch.equal(a, b) for a, b in zip(before, after))
 
@@ -206,124 +200,13 @@ def task_refusals() -> dict:
                 fully_shard(layer, mesh=_mesh())
         ipex_train.optimize(m, torch.optim.AdamW(m.parameters()), dtype=torch.bfloat16, inplace=True)
 
-    out["split_weights_in_unit"] = _error(reoptimize)
+    out["split_weights_in_unit"] = error(reoptimize)
     m = shard(model())
     opt = torch.optim.AdamW(m.parameters())
-    out["frozen_low_precision"] = _error(lambda: ipex_train.optimize(m, opt, inplace=True, dtype=torch.bfloat16,
+    out["frozen_low_precision"] = error(lambda: ipex_train.optimize(m, opt, inplace=True, dtype=torch.bfloat16,
                                                                      frozen_weights="low_precision"))
     out["frozen_unchanged"] = type(opt) is torch.optim.AdamW
     return out
-
-
-NORM_STATES = {"bf16": torch.bfloat16, "int8": "int8"}
-
-
-def task_reduced_norms() -> dict:
-    """Lamb and Lars with bf16 and int8 state on uneven shards: the whole weights after STEPS steps, and the state
-    dtypes kept per rank."""
-    out = {}
-    for name in ("lamb", "lars"):
-        for state, state_dtype in NORM_STATES.items():
-            m, opt = sharded(make_model=norm_model, make_opt=OPTIMIZERS[name], optimizer_state_dtype=state_dtype)
-            train(m, opt, STEPS)
-            out[f"{name}_{state}"] = full(m)
-            out[f"{name}_{state}_dtypes"] = sorted({str(v.dtype) for st in opt.state.values() for k, v in st.items()
-                                                    if k != "step"})
-    m, opt = sharded(make_model=norm_model, make_opt=OPTIMIZERS["lamb"], optimizer_state_dtype="int8",
-                     step_in_backward=True)
-    train(m, opt, STEPS)
-    out["lamb_int8_step_in_backward"] = full(m)
-    return out
-
-
-def task_frozen() -> dict:
-    """A frozen first Linear under FSDP2 (frozen_weights left unset and 'lossless'): it stays as it was (fp32
-    shards) while the rest trains as in one process."""
-    out = {}
-    for frozen_weights in (None, "lossless"):
-        m = model()
-        m[0].requires_grad_(False)
-        m = shard(m)
-        m, opt = ipex_train.optimize(m, OPTIMIZERS["adamw"]([p for p in m.parameters() if p.requires_grad]),
-                                     inplace=True, frozen_weights=frozen_weights)
-        train(m, opt, STEPS)
-        out[str(frozen_weights)] = full(m)
-        out[f"{frozen_weights}_dtypes"] = sorted({str(p.dtype) for p in m.parameters()})
-    return out
-
-
-def _local_snapshot(m, opt) -> list[torch.Tensor]:
-    """This rank's shards and optimizer state, as copies."""
-    out = [p.to_local().detach().clone() for p in m.parameters()]
-    for st in opt.state.values():
-        for v in st.values():
-            out.append((v.to_local() if hasattr(v, "to_local") else torch.as_tensor(v)).detach().clone())
-    return out
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def _bad_checkpoints(good: dict, param: torch.Tensor) -> dict:
-    """Corrupted copies of ``good`` (an id-keyed optimizer state_dict), each named by the case."""
-    import copy
-
-    from torch.distributed.tensor import DTensor
-
-    def edited(fn):
-        ck = copy.deepcopy(good)
-        fn(ck["state"][0])
-        return ck
-
-    wrong = DTensor.from_local(torch.zeros(2, 3), param.device_mesh, param.placements, run_check=False)
-    return {
-        "missing": edited(lambda st: st.pop("exp_avg_sq")),
-        "missing_step": edited(lambda st: st.pop("step")),
-        "bad_step": edited(lambda st: st.update(step=torch.tensor(-5.0))),
-        "wrong_shape": edited(lambda st: st.update(exp_avg=wrong)),
-        "int_dtype": edited(lambda st: st.update(exp_avg=st["exp_avg"].to(torch.int8))),
-        "not_a_tensor": edited(lambda st: st.update(exp_avg=[0.0] * 4)),
-        "plain_whole_tensor": edited(lambda st: st.update(exp_avg=st["exp_avg"].full_tensor())),
-        "group_count": {**copy.deepcopy(good), "param_groups": []},
-        "group_without_params": {**copy.deepcopy(good), "param_groups": [{}]},
-    }
-
-
-def _bad_loads(state: str, state_dtype) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    out = {}
-    m, opt = sharded(make_model=wide_model, optimizer_state_dtype=state_dtype)
-    train(m, opt, 2)
-    good = opt.state_dict()
-    before = _local_snapshot(m, opt)
-    cases = _bad_checkpoints(good, next(m.parameters()))
-    for case, ck in cases.items():
-        out[f"{state}_{case}"] = _error(lambda ck=ck: opt.load_state_dict(ck))
-        out[f"{state}_{case}_unchanged"] = _same(before, _local_snapshot(m, opt))
-    # Only rank 1's part of the checkpoint is bad: rank 0 must refuse too.
-    mine = cases["missing"] if dist.get_rank() == 1 else good
-    out[f"{state}_rank1_only"] = _error(lambda: opt.load_state_dict(mine))
-    out[f"{state}_rank1_only_unchanged"] = _same(before, _local_snapshot(m, opt))
-    # Through torch.distributed.checkpoint's set_state_dict (FQN-keyed), as a user loads.
-    _, osd = get_state_dict(m, opt)
-    osd["state"][next(iter(osd["state"]))].pop("exp_avg")
-    out[f"{state}_set_state_dict"] = _error(lambda: set_state_dict(m, opt, model_state_dict={},
-                                                                   optim_state_dict=osd))
-    out[f"{state}_set_state_dict_unchanged"] = _same(before, _local_snapshot(m, opt))
-    opt.load_state_dict(good)
-    # fp32 state loads as it was; int8 state comes back as fp32 until the next step re-encodes it
-    out[f"{state}_good_load_unchanged"] = _same(before, _local_snapshot(m, opt)) if state_dtype is None else True
-    out[f"{state}_after"] = train(m, opt, 1)
-    return out
-
-
-def task_bad_load() -> dict:
-    """Bad checkpoints into a sharded optimizer (fp32 and int8 state): each refused on every rank, naming the
-    problem, with nothing changed on any rank; one corrupted on rank 1 only is refused on rank 0 as well. Then a
-    good load and a step still work."""
-    return {**_bad_loads("fp32", None), **_bad_loads("int8", "int8")}
 
 
 def _checkpoint(m, opt):
@@ -419,6 +302,14 @@ def task_memory() -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- launching
+def _task(name: str):
+    """``task_<name>`` of this module, or of fsdp_ranks_state (the reduced-state, frozen-weight and bad-load
+    tasks)."""
+    import fsdp_ranks_state
+
+    return globals().get(f"task_{name}") or getattr(fsdp_ranks_state, f"task_{name}")
+
+
 def _rank_main(rank: int, world: int, port: int, tasks: list, out: str) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -428,7 +319,7 @@ def _rank_main(rank: int, world: int, port: int, tasks: list, out: str) -> None:
     try:
         for name, args in tasks:
             try:
-                results[name] = globals()[f"task_{name}"](*args)
+                results[name] = _task(name)(*args)
             except Exception:  # noqa: BLE001 -- reported to the test, which fails with the traceback
                 results[name] = {"traceback": traceback.format_exc()}
     finally:

@@ -19,6 +19,7 @@ from ipex_train import _summary, compute_policy
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fsdp_ranks as R
+import fsdp_ranks_state as S
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -184,7 +185,7 @@ def _relative_distance(a, b, start) -> float:
     return max(float((x - y.detach()).norm() / (y.detach() - s.detach()).norm()) for x, y, s in zip(a, b, start))
 
 
-@pytest.mark.parametrize("state", list(R.NORM_STATES))
+@pytest.mark.parametrize("state", list(S.NORM_STATES))
 @pytest.mark.parametrize("name", ["lamb", "lars"])
 def test_reduced_state_norm_optimizers_match_one_process(two, name, state):
     """Lamb/Lars with bf16 or int8 state on uneven shards vs the one-process run with the same state dtype, 10
@@ -196,9 +197,9 @@ def test_reduced_state_norm_optimizers_match_one_process(two, name, state):
     per shard instead of across the ranks miss it by 4-20x (measured 9% for Lamb, 45% for Lars)."""
     got = _ok(two[0]["reduced_norms"])
     make_opt = R.OPTIMIZERS[name]
-    ref = _one_process(R.norm_model, make_opt, R.NORM_STATES[state])
-    start = list(R.norm_model().parameters())
-    rounding = _relative_distance(_one_process(R.norm_model, make_opt), ref, start)
+    ref = _one_process(S.norm_model, make_opt, S.NORM_STATES[state])
+    start = list(S.norm_model().parameters())
+    rounding = _relative_distance(_one_process(S.norm_model, make_opt), ref, start)
     assert rounding > 0  # the one-process run did keep reduced state
     assert {"int8": "torch.int8", "bf16": "torch.bfloat16"}[state] in got[f"{name}_{state}_dtypes"]
     assert _relative_distance(got[f"{name}_{state}"], ref, start) <= 2 * rounding
