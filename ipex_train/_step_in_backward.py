@@ -43,6 +43,8 @@ from torch import Tensor
 from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _heap
+
 # Optimizer classes whose step cannot run one parameter at a time.
 _PER_PARAM_IMPOSSIBLE = {torch.optim.LBFGS: "it re-evaluates the closure and steps all parameters together"}
 # torch.optim classes whose step updates each parameter from its own grad and state only (their subclasses keeping
@@ -153,12 +155,16 @@ def _hook(ref: weakref.ref, group: dict, p: Tensor) -> None:
                            "optimizer.step(); each backward is one optimizer step in this mode, so gradient "
                            "accumulation over several backwards is not possible. Call optimizer.step() after each "
                            "backward, sum the losses before one backward, or use step_in_backward=False")
+    first = not optimizer.state.get(p)
     try:
         with torch.no_grad():
             optimizer._ipex_step_params(group, [p])
     finally:
         p.grad = None  # stepped; or not, and a retried backward must not add its grad to this one
     release.stepped.add(id(p))
+    if first:
+        # p's state was just created among grads freed at once: give their holes back (see ipex_train._heap).
+        _heap.release_free_memory()
 
 
 def _finished(ref: weakref.ref) -> None:

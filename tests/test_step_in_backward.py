@@ -283,3 +283,23 @@ def test_norm_query_without_clipping_is_allowed(caplog):
     assert sum("already freed" in r.getMessage() for r in caplog.records) == 1
     with pytest.raises(RuntimeError, match="clip_grad_value_"):
         torch.nn.utils.clip_grad_value_(model.parameters(), float("inf"))
+
+
+def test_heap_released_while_the_first_step_creates_state(monkeypatch):
+    # The first backward creates each parameter's state between grads freed at once; the holes they leave in the C
+    # heap are given back as each state appears (ipex_train._heap), and later steps, which create none, skip it.
+    from ipex_train import _heap, _step_in_backward
+
+    calls = []
+    monkeypatch.setattr(_step_in_backward._heap, "release_free_memory", lambda: calls.append(1) or True)
+    model = make_model()
+    n = len(list(model.parameters()))
+    model, opt = ipex_train.optimize(model, torch.optim.AdamW(model.parameters()), dtype=torch.bfloat16,
+                                     step_in_backward=True, optimizer_state_dtype="int8")
+    data = batches(2)
+    train(model, opt, data[:1])
+    assert len(calls) == n
+    train(model, opt, data[1:])
+    assert len(calls) == n
+    monkeypatch.undo()
+    assert isinstance(_heap.release_free_memory(), bool)
