@@ -290,3 +290,17 @@ def test_llm_finetune(tmp_path, mode, variants):
         if mode != "full" and r["name"].startswith("ipex"):
             assert r["memory_report"]["frozen"] == pytest.approx(2.0)  # the bf16 base: no residual
     _check_png(tmp_path / "llm_finetune.png")
+    assert data["args"]["warmup_steps"] == (10 if mode == "full" else 0)
+
+
+def test_llm_finetune_warmup():
+    from recipes.llm_finetune import warmup
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=1e-4)
+    sched, lrs = warmup(opt, 4), []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4, 1e-4])
