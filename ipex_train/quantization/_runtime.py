@@ -77,6 +77,12 @@ class Int8Layer(nn.Module):
         Runtime.tag(y, self.op_name, self.relu)
         return y
 
+    def weight(self):
+        """The int8 weight (a quantized tensor). A method, as on torch's quantized modules: model code that reads
+        ``layer.weight.dtype`` to cast its activations (HuggingFace's T5-family feed-forward blocks) checks for a
+        tensor first and leaves int8 layers alone."""
+        return self.q.weight()
+
     def extra_repr(self):
         return f"{self.op_name!r}, relu={self.relu}, out_quantized={self.out_quantized}"
 
