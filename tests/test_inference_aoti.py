@@ -75,7 +75,7 @@ def _cos(a, b):
 def test_cnn_package_loads_fresh_at_several_batch_sizes(dtype, tol, tmp_path):
     model = _cnn()
     path = inference.export(model, torch.randn(2, 3, 12, 12), backend="aoti", path=tmp_path / "cnn.pt2",
-                            config=inference.AOTIConfig(dtype=dtype))
+                            config=inference.AOTIConfig(dtype=dtype, dynamic_dims=(0,)))
     assert model.conv1.weight.dtype == torch.float32  # the model itself is untouched
     inputs = [(torch.randn(b, 3, 12, 12),) for b in (1, 3, 7)]
     outs = _run_fresh(path, inputs, tmp_path)
@@ -110,15 +110,41 @@ def _prepared(model, x):
 
 def test_int8_package_loads_fresh_and_tracks_fp32(tmp_path):
     model, x = _cnn(), torch.randn(2, 3, 12, 12)
-    graph = quantization.convert(_prepared(model, x), backend="pt2e", example_inputs=x)
+    graph = quantization.convert(_prepared(model, x), backend="pt2e", example_inputs=x, dynamic_dims=(0,))
     assert isinstance(graph, torch.fx.GraphModule)
-    path = inference.export(graph, x, backend="aoti", path=tmp_path / "int8.pt2")
+    path = inference.export(graph, x, backend="aoti", path=tmp_path / "int8.pt2",
+                            config=inference.AOTIConfig(dynamic_dims=(0,)))
     inputs = [(torch.randn(b, 3, 12, 12),) for b in (1, 4)]
     for (xi,), out in zip(inputs, _run_fresh(path, inputs, tmp_path)):
         with torch.no_grad():
             ref = model(xi)
             assert _cos(out, ref) > 0.999
             torch.testing.assert_close(out, graph(xi), atol=0.05, rtol=0.05)  # the package is the lowered graph
+
+
+def test_int8_conv_graph_defaults_to_static_shapes(tmp_path, caplog):
+    """A model with convolutions (here an int8 graph) compiles for the example's batch by default (Inductor
+    pre-packs convolution weights only for a static input shape); without convolutions the batch stays dynamic."""
+    model, x = _cnn(), torch.randn(2, 3, 12, 12)
+    prepared = _prepared(model, x)
+    graph = quantization.convert(prepared, backend="pt2e", example_inputs=x)
+    (placeholder,) = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    assert tuple(placeholder.meta["val"].shape) == (2, 3, 12, 12)  # no symbolic batch in the captured graph
+    assert inference.aoti.default_dynamic_dims(graph) == ()
+    with caplog.at_level("INFO", logger="ipex_train"):
+        path = inference.export(graph, x, backend="aoti", path=tmp_path / "int8.pt2")
+    assert "the model has convolutions: compiled for the example's shapes" in caplog.text
+    assert "dynamic input dims none" in caplog.text
+    (out,) = _run_fresh(path, [(x,)], tmp_path)
+    with torch.no_grad():
+        assert _cos(out, model(x)) > 0.999
+    # The fp32 model has convolutions too; models without keep the dynamic batch, fp32 or int8.
+    assert inference.aoti.default_dynamic_dims(model) == ()
+    torch.manual_seed(0)
+    mlp, xm = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), torch.randn(3, 8)
+    mlp_graph = quantization.convert(_prepared(mlp, xm), backend="pt2e", example_inputs=xm)
+    assert any("quantize_per" in str(n.target) for n in mlp_graph.graph.nodes)
+    assert inference.aoti.default_dynamic_dims(mlp_graph) == inference.aoti.default_dynamic_dims(mlp) == (0,)
 
 
 def test_int8_one_input_channel_conv_package_keeps_dynamic_batch(tmp_path, caplog):
@@ -129,9 +155,10 @@ def test_int8_one_input_channel_conv_package_keeps_dynamic_batch(tmp_path, caplo
                           nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
     x = torch.randn(8, 1, 8, 8)
     with caplog.at_level("INFO", logger="ipex_train"):
-        graph = quantization.convert(_prepared(model, x), backend="pt2e", example_inputs=x)
+        graph = quantization.convert(_prepared(model, x), backend="pt2e", example_inputs=x, dynamic_dims=(0,))
     assert "0 kept fp32 (one input channel" in caplog.text
-    path = inference.export(graph, x, backend="aoti", path=tmp_path / "one.pt2")
+    path = inference.export(graph, x, backend="aoti", path=tmp_path / "one.pt2",
+                            config=inference.AOTIConfig(dynamic_dims=(0,)))
     inputs = [(torch.randn(b, 1, 8, 8),) for b in (1, 8, 13)]
     for (xi,), out in zip(inputs, _run_fresh(path, inputs, tmp_path)):
         with torch.no_grad():
@@ -221,4 +248,77 @@ def test_aoti_export_errors_change_nothing(tmp_path):
     with pytest.raises(TypeError, match="needs example_inputs"):
         quantization.convert(_prepared(_cnn(), x), backend="pt2e")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not list(tmp_path.iterdir())
+
+
+class _InputResidual(nn.Module):
+    """Attention-like: the output projection of a matmul result, plus the model input itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        attn = torch.softmax(self.q(x) @ self.k(x).transpose(1, 2), -1)
+        return x + self.out(attn @ x)
+
+
+def test_int8_package_leaves_its_input_unchanged(tmp_path):
+    """torchao's lowering fuses linear + add into a "sum" post-op that accumulates into the add's other operand;
+    with the model input there, the compiled code would write into the caller's tensor: export copies it."""
+    torch.manual_seed(0)
+    model, x = _InputResidual().eval(), torch.randn(4, 8, 16)
+    graph = quantization.convert(_prepared(model, x), backend="pt2e", example_inputs=x)
+    path = inference.export(graph, x, backend="aoti", path=tmp_path / "res.pt2")
+    package = torch._inductor.aoti_load_package(str(path))
+    for xi in (x, torch.randn(2, 8, 16)):  # batch dynamic
+        before = xi.clone()
+        with torch.no_grad():
+            out = package(xi)
+            assert _cos(out, model(before)) > 0.999
+        torch.testing.assert_close(xi, before, atol=0, rtol=0)
+
+
+def _switch_encoder():
+    """A HuggingFace SwitchTransformers encoder (mixture of experts, data-dependent routing) from a tiny config,
+    returning its last hidden state; torch.export rejects it, strict and non-strict."""
+    from transformers import SwitchTransformersConfig, SwitchTransformersEncoderModel
+
+    class Hidden(nn.Module):
+        def __init__(self):
+            super().__init__()
+            config = SwitchTransformersConfig(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16,
+                                              num_experts=4, vocab_size=100, encoder_sparse_step=1, use_cache=False)
+            self.encoder = SwitchTransformersEncoderModel(config)
+
+        def forward(self, ids):
+            return self.encoder(ids).last_hidden_state
+
+    torch.manual_seed(0)
+    return Hidden().eval()
+
+
+def test_int8_on_a_huggingface_model_torch_export_rejects(tmp_path):
+    model = _switch_encoder()
+    ids = torch.randint(0, 100, (2, 16))
+    prepared = quantization.prepare(model, example_inputs=ids)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _ in range(3):
+            prepared(torch.randint(0, 100, (2, 16), generator=g))
+    int8 = quantization.convert(prepared)
+    assert sum(type(m).__name__ == "Int8Layer" for m in int8.modules()) >= 10  # attention and expert linears
+    with torch.no_grad():
+        for other in (ids, torch.randint(0, 100, (3, 9), generator=g)):
+            assert _cos(int8(other), model(other)) > 0.99
+    # The Inductor lowering falls back to that eager int8 model, naming what torch.export failed on and where.
+    with pytest.warns(RuntimeWarning, match=r"(?s)strict=True\) could not capture Hidden.*strict=False\) could not "
+                                            r"capture Hidden.*modeling_switch_transformers\.py:\d+.*eager int8"):
+        fallback = quantization.convert(prepared, backend="pt2e", example_inputs=ids)
+    assert isinstance(fallback, quantization.QuantizedModel)
+    with pytest.raises(RuntimeError, match=r"torch\.export \(strict=False\) could not capture Hidden: .*"
+                                           r"modeling_switch_transformers\.py"):
+        inference.export(model, ids, backend="aoti", path=tmp_path / "fp32.pt2")
+    with pytest.raises(TypeError, match=r"eager int8 kernels .*backend='torchscript'.*backend='pt2e'"):
+        inference.export(int8, ids, backend="aoti", path=tmp_path / "int8.pt2")
     assert not list(tmp_path.iterdir())

@@ -10,7 +10,11 @@ pattern to oneDNN int8 kernels (qconv/qlinear with fused post-ops and residual a
 
 Dynamic shapes: by default dim 0 (the batch) of every tensor input is marked torch.export.Dim.AUTO: it stays
 dynamic unless the model specialises it (a reshape to a fixed batch, or an example of size 1, which torch.export
-always specialises). AOTIConfig.dynamic_dims=(0, 1) also frees the sequence dim of token inputs;
+always specialises). One exception, models with convolutions: they compile for the example's shapes, because
+Inductor pre-packs convolution weights for oneDNN only when the input shape is static; with a symbolic batch it
+packs fp32/bf16 weights at run time on every call, and int8 ones (torchao's x86 lowering) for no input shape, which
+oneDNN then re-orders on every call (ResNet-50 batch 16, int8: 0.64x the static package; fp32/bf16: 0.96-0.97x).
+AOTIConfig(dynamic_dims=(0,)) asks for a dynamic batch there anyway. AOTIConfig.dynamic_dims=(0, 1) also frees the sequence dim of token inputs;
 AOTIConfig.dynamic_shapes is handed to torch.export as is when the automatic rule does not fit. The dims that
 ended up dynamic are logged at INFO.
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import traceback
 import warnings
 from dataclasses import dataclass, field
 
@@ -44,7 +49,8 @@ class AOTIConfig:
         dtype: torch.float32 (default) or torch.bfloat16 (weights and compute in bf16; fp32 inputs are cast inside).
             Must stay float32 for an int8 graph from quantization.convert(backend="pt2e"), which fixes its dtypes.
         dynamic_dims: dims marked torch.export.Dim.AUTO on every tensor input ((0,): batch; (0, 1): batch and
-            sequence of token ids; (): fully static).
+            sequence of token ids; (): fully static). None (default): (0,), except () for a model with
+            convolutions (see the module docstring: their weights are pre-packed only for static shapes).
         dynamic_shapes: handed to torch.export.export as is (overrides dynamic_dims).
         strict: torch.export's strict (TorchDynamo) capture; False (torch's default) traces more Python.
         freezing: Inductor's freezing (weights as constants, pre-packed for oneDNN); keep it on for inference.
@@ -52,7 +58,7 @@ class AOTIConfig:
     """
 
     dtype: torch.dtype = torch.float32
-    dynamic_dims: tuple = (0,)
+    dynamic_dims: tuple | None = None
     dynamic_shapes: object = None
     strict: bool = False
     freezing: bool = True
@@ -61,8 +67,9 @@ class AOTIConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"AOTIConfig: dtype must be torch.float32 or torch.bfloat16, got {self.dtype!r}")
-        if not isinstance(self.dynamic_dims, tuple) or not all(type(d) is int and d >= 0 for d in self.dynamic_dims):
-            raise TypeError(f"AOTIConfig: dynamic_dims must be a tuple of non-negative ints, got {self.dynamic_dims!r}")
+        dims = self.dynamic_dims
+        if dims is not None and (not isinstance(dims, tuple) or not all(type(d) is int and d >= 0 for d in dims)):
+            raise TypeError(f"AOTIConfig: dynamic_dims must be None or a tuple of non-negative ints, got {dims!r}")
         for name in ("strict", "freezing"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"AOTIConfig: {name} must be a bool, got {type(getattr(self, name)).__name__}")
@@ -102,7 +109,16 @@ def capture(model: nn.Module, args: tuple, *, dynamic_shapes=None, dynamic_dims=
     except Exception as e:  # torch.export raises many types; all mean "cannot capture"
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise RuntimeError(f"torch.export (strict={strict}) could not capture {type(model).__name__}: "
-                           f"{type(e).__name__}: {first}") from e
+                           f"{type(e).__name__}: {first}{_model_frame(e)}") from e
+
+
+def _model_frame(error: BaseException) -> str:
+    """" (at file.py:line in fn)" for the innermost traceback frame outside torch, i.e. the model code torch.export
+    was running when it failed; "" when there is none."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(torch_dir)
+              and not f.filename.startswith(os.path.dirname(__file__))]
+    return f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
 
 
 def dynamic_dims_of(ep) -> list[str]:
@@ -125,13 +141,27 @@ def export_package(model: nn.Module, args: tuple, path, config: AOTIConfig) -> s
         raise TypeError(f"config must be an ipex_train.inference.AOTIConfig, got {type(config).__name__}")
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).endswith(".pt2"):
         raise ValueError(f"path must be a file name ending in .pt2 (the AOTInductor package), got {path!r}")
+    eager_int8 = next((name for name, m in model.named_modules() if type(m).__module__.startswith(
+        "torch.ao.nn.quantized")), None)
+    if eager_int8 is not None:
+        raise TypeError(f"model runs torch's eager int8 kernels ({eager_int8 or 'the model'} is a "
+                        f"{type(model.get_submodule(eager_int8)).__name__}), which torch.export cannot capture: "
+                        "deploy it with backend='torchscript', or lower the calibrated PreparedModel for Inductor "
+                        "with ipex_train.quantization.convert(prepared, backend='pt2e', example_inputs=...)")
     if config.dtype != torch.float32 and isinstance(model, torch.fx.GraphModule) and _has_quantize_ops(model):
         raise ValueError("config.dtype must stay torch.float32 for an int8 graph (its quantize/dequantize ops fix "
                          "every dtype)")
     if config.dtype != torch.float32:
         model = _CastInputs(copy.deepcopy(model).to(config.dtype), config.dtype).eval()
-    ep = capture(model, args, dynamic_shapes=config.dynamic_shapes, dynamic_dims=config.dynamic_dims,
-                 strict=config.strict)
+    dynamic_dims = config.dynamic_dims
+    if dynamic_dims is None:
+        dynamic_dims = default_dynamic_dims(model)
+        if not dynamic_dims and config.dynamic_shapes is None:
+            _log.info("ipex_train.inference.export(backend='aoti'): the model has convolutions: compiled for the "
+                      "example's shapes (Inductor pre-packs their weights only for static shapes); "
+                      "AOTIConfig(dynamic_dims=(0,)) for a dynamic batch")
+    ep = capture(model, args, dynamic_shapes=config.dynamic_shapes, dynamic_dims=dynamic_dims, strict=config.strict)
+    keep_inputs_unwritten(ep)
     dims = dynamic_dims_of(ep)
     _log.info("ipex_train.inference.export(backend='aoti'): dynamic input dims %s", ", ".join(dims) or "none")
     options = {"freezing": config.freezing, **config.inductor_configs}
@@ -146,6 +176,7 @@ def export_package(model: nn.Module, args: tuple, path, config: AOTIConfig) -> s
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         _log.warning(msg)
         ep = capture(model, args, dynamic_shapes=dynamic_shapes_for(args, ()), strict=config.strict)
+        keep_inputs_unwritten(ep)
         with torch.no_grad():
             path = torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=options)
         bad = _self_check(path, model, args)
@@ -155,12 +186,48 @@ def export_package(model: nn.Module, args: tuple, path, config: AOTIConfig) -> s
     return path
 
 
+def keep_inputs_unwritten(ep) -> None:
+    """In an int8 graph, rewrite every ``add(a, x)`` of a user input ``x`` as ``sub(a, neg(x))`` (in place in ``ep``;
+    the same value bit for bit: IEEE negation is exact).
+
+    torchao's x86 lowering (0.18) fuses ``linear(...) + other`` into qlinear_pointwise.binary with the "sum" post-op,
+    which accumulates into ``other``'s buffer; when ``other`` is a graph input, the compiled code (torch.compile and
+    AOTInductor alike) writes the result into the caller's tensor (an encoder layer's ``x + out_proj(ctx)``). A
+    clone of the input does not help: Inductor drops it as a no-op before lowering. The sub is not matched, so the
+    linear writes its own buffer and one pointwise kernel adds the input."""
+    graph = ep.graph_module.graph
+    if not any(node.op == "call_function" and "quantize_per" in str(node.target) for node in graph.nodes):
+        return
+    user_inputs = {node for node in graph.nodes if node.op == "placeholder"
+                   and node.name in set(ep.graph_signature.user_inputs)}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.add.Tensor or node.kwargs:
+            continue
+        a, b = node.args
+        if b not in user_inputs:
+            a, b = b, a
+        if b not in user_inputs or not isinstance(a, torch.fx.Node):
+            continue
+        with graph.inserting_before(node):
+            negated = graph.call_function(torch.ops.aten.neg.default, (b,))
+            negated.meta.update(b.meta)
+            sub = graph.call_function(torch.ops.aten.sub.Tensor, (a, negated))
+            sub.meta.update(node.meta)
+        node.replace_all_uses_with(sub)
+        graph.erase_node(node)
+    ep.graph_module.recompile()
+
+
 def _self_check(path, model, args, min_cosine=0.99):
     """None when the package at ``path`` matches ``model`` on ``args`` (cosine of every output >= min_cosine, a
-    check for a miscompiled package, not for precision), else what differed."""
+    check for a miscompiled package, not for precision) and leaves its inputs as they were, else what differed."""
     package = torch._inductor.aoti_load_package(path)
+    copies = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args)
     with torch.no_grad():
-        got, want = tree_leaves(package(*args)), tree_leaves(model(*args))
+        got, want = tree_leaves(package(*copies)), tree_leaves(model(*args))
+    for i, (a, b) in enumerate(zip(tree_leaves(copies), tree_leaves(args))):
+        if isinstance(a, torch.Tensor) and not torch.equal(a, b):
+            return f"input {i} was modified in place by the package"
     for i, (a, b) in enumerate(zip(got, want)):
         if a.shape != b.shape:
             return f"output {i} has shape {tuple(a.shape)}, expected {tuple(b.shape)}"
@@ -169,6 +236,19 @@ def _self_check(path, model, args, min_cosine=0.99):
             if not cos >= min_cosine:
                 return f"output {i} cosine similarity {cos:.4f} < {min_cosine}"
     return None
+
+
+def default_dynamic_dims(model: nn.Module) -> tuple:
+    """The dims AOTIConfig(dynamic_dims=None) marks dynamic: the batch, but none for a model with convolutions
+    (Conv modules, or convolution calls in a GraphModule such as quantization.convert(backend="pt2e") returns),
+    whose weights Inductor pre-packs for oneDNN only when the input shape is static."""
+    convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    if not convs and isinstance(model, torch.fx.GraphModule):
+        convs = any(node.op == "call_function" and node.target in _CONVOLUTIONS for node in model.graph.nodes)
+    return () if convs else (0,)
+
+
+_CONVOLUTIONS = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default)
 
 
 def _has_quantize_ops(gm: torch.fx.GraphModule) -> bool:

@@ -140,7 +140,7 @@ def prepare(model, qconfig=default_static_qconfig, example_inputs=None, inplace=
     return PreparedModel(model, graph, qconfig, bits)
 
 
-def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dynamic_dims=(0,),
+def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dynamic_dims=None,
             dynamic_shapes=None):
     """Build the int8 model from a calibrated (or summary-loaded) PreparedModel.
 
@@ -153,8 +153,10 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
     backend="pt2e": the same summary lowered for Inductor as a torchao pt2e quantize/dequantize graph (a
     torch.fx.GraphModule; see pt2e.py for what maps), captured with torch.export on ``example_inputs`` (a tensor
     or a tuple of them; required) with ``dynamic_dims`` of every input dynamic (or ``dynamic_shapes`` as
-    torch.export takes it). Compile it with torch.compile, or package it with ipex_train.inference.export(...,
-    backend="aoti", path=...) using the same dynamic dims. When torch.export cannot capture the model (or the
+    torch.export takes it); ``dynamic_dims`` None: the batch, or no dim when a convolution is quantized (Inductor
+    pre-packs int8 convolution weights only for static shapes). Compile it with torch.compile, or package it with
+    ipex_train.inference.export(..., backend="aoti", path=...) using the same dynamic dims (its default follows
+    the same rule). When torch.export cannot capture the model (or the
     quantizer annotates a tensor no summary entry describes) it warns, naming what failed, and returns the eager
     int8 model instead. ``inplace`` must be False.
 

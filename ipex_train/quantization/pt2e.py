@@ -15,12 +15,14 @@ JSON still decides them. How the summary maps:
   keep their input's scale as ipex_train's eager kernels do;
 * input_scales/input_zero_points: tensors no quantized op produced (the model input, an add written in place
   or with outputs_quantized false), from the Conv/Linear that reads them.
-Kept fp32 whatever the summary says, when dims are dynamic: convolutions with one input channel (torch 2.14.1's
-Inductor writes their int8 output in the wrong layout for a dynamic batch; they are cheap in fp32). Not mapped:
-post_op (Inductor fuses every relu it can), inputs_quantized of an add (Inductor decides whether
-the add fuses into the conv), and dtypes (uint8 activations, int8 weights: the only ones both take). A tensor the
-quantizer annotates but no summary entry describes stops the lowering: convert() then falls back to the eager
-int8 model, naming the tensor.
+Dims: by default the batch is dynamic, except when a convolution is quantized (static shapes, as
+export(backend="aoti") compiles such graphs by default: Inductor pre-packs int8 convolution weights only for a
+static input shape). Kept fp32 whatever the summary says, when dims are dynamic: convolutions with one input
+channel (torch 2.14.1's Inductor writes their int8 output in the wrong layout for a dynamic batch; they are cheap
+in fp32). Not mapped: post_op (Inductor fuses every relu it can), inputs_quantized of an add (Inductor decides
+whether the add fuses into the conv), and dtypes (uint8 activations, int8 weights: the only ones both take). A
+tensor the quantizer annotates but no summary entry describes stops the lowering: convert() then falls back to the
+eager int8 model, naming the tensor.
 """
 from __future__ import annotations
 
@@ -49,12 +51,16 @@ class LoweringError(RuntimeError):
     """The summary cannot be lowered to a pt2e graph (capture failed, or a tensor has no summary entry)."""
 
 
-def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=None, dynamic_dims=(0,)):
+def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=None, dynamic_dims=None):
     """The converted pt2e GraphModule of ``model`` (the prepared fp32 copy, hooks removed) with the summary's
-    scales; LoweringError naming what failed."""
+    scales; LoweringError naming what failed. ``dynamic_dims`` None: the batch dynamic unless the summary
+    quantizes a convolution (export(backend="aoti") compiles such graphs for static shapes by default)."""
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
+    if dynamic_dims is None:
+        dynamic_dims = () if any(e["type"].startswith("conv") and all(e["inputs_quantized"]) for e in summary) \
+            else (0,)
     kept = [e["name"] for e in summary if e["type"].startswith("conv") and all(e["inputs_quantized"])
             and model.get_submodule(e["name"]).in_channels == 1] if dynamic_shapes or dynamic_dims else []
     if kept:
