@@ -18,13 +18,15 @@ def aoti(model, x, dtype):
     return torch._inductor.aoti_load_package(path)
 
 
-def int8_aoti(prepared, x):
-    """A calibrated ipex_train PreparedModel lowered with convert(backend="pt2e") and packaged with AOTInductor."""
-    graph = quantization.convert(prepared, backend="pt2e", example_inputs=x)
+def int8_aoti(prepared, x, dynamic=False):
+    """A calibrated ipex_train PreparedModel lowered with convert(backend="pt2e") and packaged with AOTInductor;
+    default dims (static for int8 convolutions), or the batch dynamic with ``dynamic``."""
+    dims = (0,) if dynamic else None
+    graph = quantization.convert(prepared, backend="pt2e", example_inputs=x, dynamic_dims=dims)
     if not isinstance(graph, torch.fx.GraphModule):  # the fallback's warning says why
         raise TypeError(f"convert(backend='pt2e') fell back to the eager int8 model ({type(graph).__name__})")
-    path = os.path.join(_DIR, f"int8_{id(prepared)}_{x.shape[0]}.pt2")
-    inference.export(graph, x, backend="aoti", path=path)
+    path = os.path.join(_DIR, f"int8_{id(prepared)}_{x.shape[0]}_{dynamic}.pt2")
+    inference.export(graph, x, backend="aoti", path=path, config=inference.AOTIConfig(dynamic_dims=dims))
     return torch._inductor.aoti_load_package(path)
 
 
@@ -38,8 +40,9 @@ def pt2e_compile(model, x, calib):
     quantizer = xiq.X86InductorQuantizer()
     quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
     with torch.no_grad():
-        # Batch dynamic: the calibration batches are smaller than the timed one.
-        graph = torch.export.export(copy.deepcopy(model), (x,), strict=True,
+        # Captured on a calibration batch with the batch dynamic: the timed batch differs (and may be 1, which
+        # torch.export would specialise); torch.compile then specialises on the timed batch.
+        graph = torch.export.export(copy.deepcopy(model), (calib[0],), strict=True,
                                     dynamic_shapes=({0: torch.export.Dim.AUTO},)).module()
         prepared = prepare_pt2e(graph, quantizer)
         for c in calib:

@@ -2,19 +2,22 @@
 
     python -m benchmarks.bench_inference [--quick] [--json PATH]
 
-Models: ResNet-50 (torchvision, weights=None, 224x224) and a BERT-style encoder (nn.TransformerEncoder, d_model
-768, 12 heads, seq 128), batch 1 and 16. Variants, all measured in the same run on the same inputs:
+Models: ResNet-50 (torchvision, weights=None, 224x224), a BERT-style encoder (nn.TransformerEncoder, d_model
+768, 12 heads, seq 128) and ``bert_style`` (benchmarks.inference_models.BertStyleEncoder: the same layer written
+out with Q/K/V projections and softmax attention, as HuggingFace BERT computes it, which PyTorch's fused encoder
+fast path does not take), batch 1 and 16. Variants, all measured in the same run on the same inputs:
 
 * eager: model(x) under torch.no_grad();
 * stock_jit: torch.jit.trace + freeze with torch's oneDNN fusion switch on;
 * ipex_train: fold_conv_bn + fold_linear_bn + replace_dropout, channels-last for the CNN (its input converted
   inside the timed call), then ipex_train.inference.export;
+* ipex_train_bf16: the same TorchScript export of a bf16 copy (fp32 input cast before the call);
 * compile: torch.compile (skipped with --quick: it takes minutes per model and batch here);
 * aoti_fp32, aoti_bf16: ipex_train.inference.export(backend="aoti") packages (torch.export + AOTInductor with
   freezing; bf16 weights/compute, fp32 input cast inside), loaded with torch._inductor.aoti_load_package;
   compile_fp32, compile_bf16: stock torch.compile with Inductor freezing (--compile, also with --quick).
 
-``--models resnet50,bert_encoder`` and ``--batches 1,16`` pick a subset.
+``--models resnet50,bert_encoder,bert_style``, ``--batches 1,16`` and ``--variants`` pick a subset.
 
 Each time is the median of interleaved repeats after warm-up; throughput is samples/s. A dynamic-shape section
 measures what a shape change costs an exported ResNet-50 (first calls at the new shape, then steady state) with
@@ -32,6 +35,7 @@ import torchvision
 from torch import nn
 
 from benchmarks import aoti_variants
+from benchmarks.inference_models import BertStyleEncoder
 from ipex_train import inference
 
 RESNET_TARGET = 1.7  # ipex_train export vs eager, ResNet-50 batch 16
@@ -45,6 +49,12 @@ def _bert(layers):
     def make():
         layer = nn.TransformerEncoderLayer(768, 12, 3072, activation="gelu", batch_first=True)
         return nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).eval(), (128, 768)
+    return make
+
+
+def _bert_style(layers):
+    def make():
+        return BertStyleEncoder(layers).eval(), (128, 768)
     return make
 
 
@@ -66,7 +76,7 @@ def _channels_last(x):
     return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
 
 
-def _ipex_train(model, x):
+def _ipex_train(model, x, dtype=torch.float32):
     model = copy.deepcopy(model)
     sample = x[:1]  # the data-flow check needs one forward pass, not a full batch
     inference.fold_conv_bn(model, sample_input=sample)
@@ -74,8 +84,9 @@ def _ipex_train(model, x):
     inference.replace_dropout(model)
     if x.dim() == 4:
         model = model.to(memory_format=torch.channels_last)
-    scripted = inference.export(model, _channels_last(x), check_trace=False)
-    return lambda inp: scripted(_channels_last(inp))
+    model = model.to(dtype)
+    scripted = inference.export(model, _channels_last(x).to(dtype), check_trace=False)
+    return lambda inp: scripted(_channels_last(inp).to(dtype))
 
 
 def _compiled(model, x):
@@ -110,6 +121,7 @@ def _case(name, make, batch, args):
     model, shape = make()
     x = torch.randn((batch,) + shape)
     builders = {"stock_jit": _stock_jit, "ipex_train": _ipex_train,
+                "ipex_train_bf16": lambda m, x: _ipex_train(m, x, torch.bfloat16),
                 "aoti_fp32": lambda m, x: aoti_variants.aoti(m, x, torch.float32),
                 "aoti_bf16": lambda m, x: aoti_variants.aoti(m, x, torch.bfloat16)}
     if not args.quick:
@@ -117,6 +129,8 @@ def _case(name, make, batch, args):
     if args.compile:
         builders["compile_fp32"] = lambda m, x: aoti_variants.compile_freezing(m, x, torch.float32)
         builders["compile_bf16"] = lambda m, x: aoti_variants.compile_freezing(m, x, torch.bfloat16)
+    if args.variants:
+        builders = {v: b for v, b in builders.items() if v in args.variants.split(",")}
     fns = {"eager": model}
     build_s, skipped = {}, {}
     for variant, build in builders.items():
@@ -127,7 +141,7 @@ def _case(name, make, batch, args):
             skipped[variant] = f"{type(e).__name__}: {e}"[:200]
             continue
         build_s[variant] = time.perf_counter() - start
-    if args.quick:
+    if args.quick and (not args.variants or "compile" in args.variants.split(",")):
         skipped["compile"] = "skipped with --quick (torch.compile takes minutes per model and batch here)"
     with torch.no_grad():
         ref = model(x)
@@ -176,8 +190,9 @@ def _verdict(ratio, spread):
 def run(args):
     """Run the benchmark (args.quick: fewer layers/repeats, no torch.compile; args.json: write results there);
     prints the table and the targets, returns the results dict."""
-    cases = [(n, m) for n, m in (("resnet50", _resnet), ("bert_encoder", _bert(2 if args.quick else 4)))
-             if n in args.models.split(",")]
+    layers = 2 if args.quick else 4
+    cases = [(n, m) for n, m in (("resnet50", _resnet), ("bert_encoder", _bert(layers)),
+                                 ("bert_style", _bert_style(layers))) if n in args.models.split(",")]
     results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "quick": bool(args.quick),
                "cases": []}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, quick={bool(args.quick)}")
@@ -220,7 +235,7 @@ def run(args):
             spread = max(v["stock_jit"]["spread"], v["ipex_train"]["spread"])
             verdicts.append((f"{label}: ipex_train no slower than stock_jit", ratio, _verdict(ratio, spread)))
         for ours, other in (("aoti_fp32", "ipex_train"), ("aoti_fp32", "compile_fp32"),
-                            ("aoti_bf16", "compile_bf16")):
+                            ("aoti_bf16", "ipex_train_bf16"), ("aoti_bf16", "compile_bf16")):
             if ours in v and other in v:
                 ratio = v[other]["median_s"] / v[ours]["median_s"]
                 spread = max(v[other]["spread"], v[ours]["spread"])
@@ -238,7 +253,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, 2 encoder layers, no torch.compile")
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--models", default="resnet50,bert_encoder", help="comma-separated subset")
+    parser.add_argument("--models", default="resnet50,bert_encoder",
+                        help="comma-separated subset of resnet50, bert_encoder, bert_style")
+    parser.add_argument("--variants", help="comma-separated subset of the variants besides eager")
     parser.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     parser.add_argument("--compile", action="store_true", help="add torch.compile (freezing) fp32/bf16 rows")
     parser.add_argument("--no-dynamic", action="store_true", help="skip the dynamic-shape section")

@@ -13,11 +13,15 @@ BERT-style encoder (BertStyleEncoder below: d_model 768, 12 heads, FFN 3072, seq
 * fx_x86, fx_onednn: torch.ao prepare_fx/convert_fx with that engine's default qconfig mapping, traced and frozen;
 * fx_onednn_eager: that converted GraphModule called as it is (Python, like ipex_train's eager int8);
 * int8_aoti: the same calibrated ipex_train PreparedModel through convert(backend="pt2e") (its qconf summary as a
-  torchao pt2e quantize/dequantize graph) and ipex_train.inference.export(backend="aoti"), loaded with
+  torchao pt2e quantize/dequantize graph) and ipex_train.inference.export(backend="aoti") with its default dims
+  (ResNet-50: static shapes, as for every int8 graph with convolutions; the encoder: dynamic batch), loaded with
   torch._inductor.aoti_load_package;
+* int8_aoti_dynamic: the same with the batch dynamic (dynamic_dims=(0,) in convert and AOTIConfig; batch > 1);
 * pt2e_compile: stock torchao pt2e (strict torch.export, X86InductorQuantizer, the same 2 calibration batches,
-  convert_pt2e) under torch.compile with freezing.
-``--models`` and ``--batches`` pick a subset; ``--no-inductor`` leaves the last two out.
+  convert_pt2e) under torch.compile with freezing (which specialises on the timed batch size).
+``--models``, ``--batches`` and ``--variants`` pick a subset; ``--no-inductor`` leaves the last three out.
+Cosines are computed on a copy of the input: Inductor's int8 code (stock and packaged alike) can write into its
+input (see ipex_train.inference.aoti.keep_inputs_unwritten); the packages built here do not.
 
 Each model is calibrated once (2 batches of 4); the traced variants are traced at each batch size, each FX
 variant under its own engine (torch.jit.freeze re-packs quantized weights under the engine active then, as a user
@@ -42,74 +46,22 @@ does not), and >= 2.5x fp32_export on ResNet-50 batch 16. A FAIL whose band reac
 import argparse
 import copy
 import json
-import math
 import statistics
 import time
 import warnings
 
 import torch
 import torch.nn.functional as F
-import torchvision
-from torch import nn
 
 from benchmarks import aoti_variants
 from benchmarks.bench_inference import _ipex_train, _time_interleaved
+from benchmarks.inference_models import BertStyleEncoder, resnet50
 from ipex_train import quantization
 from ipex_train.quantization._kernels import (
     ENGINE,  # the engine convert() packs weights for
 )
 
 EXPORT_TARGET = 2.5  # int8 vs ipex_train fp32 export, ResNet-50 batch 16
-
-
-class BertStyleEncoderLayer(nn.Module):
-    """Post-norm BERT layer written out: Q/K/V/output projections, softmax attention, GELU FFN, residual adds."""
-
-    def __init__(self, d_model=768, heads=12, ffn=3072, dropout=0.1):
-        super().__init__()
-        self.heads = heads
-        self.query, self.key, self.value, self.out = (nn.Linear(d_model, d_model) for _ in range(4))
-        self.ffn_in, self.ffn_out = nn.Linear(d_model, ffn), nn.Linear(ffn, d_model)
-        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.act, self.drop = nn.GELU(), nn.Dropout(dropout)
-
-    def forward(self, x):
-        b, s, d = x.shape
-
-        def split(t):
-            return t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2)
-
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        attn = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d // self.heads), dim=-1)
-        ctx = torch.matmul(attn, v).transpose(1, 2).reshape(b, s, d)
-        x = self.norm1(x + self.drop(self.out(ctx)))
-        return self.norm2(x + self.drop(self.ffn_out(self.act(self.ffn_in(x)))))
-
-
-class BertStyleEncoder(nn.Module):
-    """A stack of BertStyleEncoderLayer (traceable by torch.fx, so stock FX int8 can be compared on it)."""
-
-    def __init__(self, layers=4, d_model=768, heads=12, ffn=3072):
-        super().__init__()
-        self.layers = nn.ModuleList(BertStyleEncoderLayer(d_model, heads, ffn) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def resnet50():
-    """torchvision ResNet-50, random weights, eval mode, BatchNorm statistics and affine set to spread values."""
-    model = torchvision.models.resnet50(weights=None).eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.1, 0.1)
-                m.running_var.uniform_(0.5, 1.5)
-                m.weight.uniform_(0.2, 1.0)
-                m.bias.uniform_(-0.1, 0.1)
-    return model
 
 
 def _calibrated(model, example, calib):
@@ -221,6 +173,11 @@ def _case(name, model, built, build_s, skipped, calib, shape, batch, args):
         tracers["pt2e_compile"] = lambda: aoti_variants.pt2e_compile(model, x, calib)
         if "prepared" in built:
             tracers["int8_aoti"] = lambda: aoti_variants.int8_aoti(built["prepared"], x)
+            if batch > 1:  # torch.export specialises a batch of 1
+                tracers["int8_aoti_dynamic"] = lambda: aoti_variants.int8_aoti(built["prepared"], x, dynamic=True)
+    if args.variants:
+        keep = set(args.variants.split(",")) | {"fp32_export"}  # the ratios are paired against fp32_export
+        tracers = {v: t for v, t in tracers.items() if v in keep}
     for variant, trace in tracers.items():
         if variant.startswith("int8") and "int8" not in built:
             continue
@@ -233,7 +190,7 @@ def _case(name, model, built, build_s, skipped, calib, shape, batch, args):
         build_s[variant] = build_s.get(variant, 0.0) + time.perf_counter() - start
     with torch.no_grad():
         ref = model(x).flatten()
-        cos = {v: F.cosine_similarity(fn(x).flatten(), ref, dim=0).item() for v, fn in fns.items()}
+        cos = {v: F.cosine_similarity(fn(x.clone()).float().flatten(), ref, dim=0).item() for v, fn in fns.items()}
     # Batch 1 calls are 10-100x shorter than batch 16 ones, so more of them per round average out scheduler
     # noise of the shared machine; rounds give the paired ratios their median and band.
     rounds, calls = (5, 1) if batch > 1 else (9, 8)
@@ -248,12 +205,13 @@ def _case(name, model, built, build_s, skipped, calib, shape, batch, args):
                        "vs_eager": _paired(per_round, "eager", v)["ratio"], "build_s": build_s.get(v),
                        "cosine": cos[v]}
     ratios = {}
-    for ours in ("int8", "int8_jit", "int8_aoti"):
+    for ours in ("int8", "int8_jit", "int8_aoti", "int8_aoti_dynamic"):
         if ours not in per_round:
             continue
         r = {"vs_fp32_export": _paired(per_round, "fp32_export", ours)}
         # Like with like: the traced model against the traced stock models, the eager one against stock eager.
-        like = {"int8_jit": ("fx_x86", "fx_onednn"), "int8": ("fx_onednn_eager",), "int8_aoti": ("pt2e_compile",)}
+        like = {"int8_jit": ("fx_x86", "fx_onednn"), "int8": ("fx_onednn_eager",), "int8_aoti": ("pt2e_compile",),
+                "int8_aoti_dynamic": ("pt2e_compile",)}
         stock = [s for s in like[ours] if s in per_round]
         if stock:
             best = min(stock, key=lambda s: times[s])
@@ -323,7 +281,8 @@ def run(args):
         label = f"{case['model']} b{case['batch']}"
         for ours, r in case["ratios"].items():
             if "vs_best_stock" in r:
-                kind = {"int8_jit": "traced", "int8": "eager", "int8_aoti": "Inductor"}[ours]
+                kind = {"int8_jit": "traced", "int8": "eager", "int8_aoti": "Inductor",
+                        "int8_aoti_dynamic": "Inductor"}[ours]
                 targets.append(_target(f"{label}: {ours} >= best stock int8, {kind} "
                                        f"({r['vs_best_stock']['stock']})", r["vs_best_stock"], 1.0))
             if case["model"] == "resnet50" and case["batch"] == 16:
@@ -349,7 +308,9 @@ def main(argv=None):
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--models", default="resnet50,bert_encoder", help="comma-separated subset")
     parser.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
-    parser.add_argument("--no-inductor", action="store_true", help="leave out int8_aoti and pt2e_compile")
+    parser.add_argument("--no-inductor", action="store_true",
+                        help="leave out int8_aoti, int8_aoti_dynamic and pt2e_compile")
+    parser.add_argument("--variants", help="comma-separated subset of the variants besides eager and fp32_export")
     run(parser.parse_args(argv))
 
 
