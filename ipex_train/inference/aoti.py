@@ -13,12 +13,12 @@ dynamic unless the model specialises it (a reshape to a fixed batch, or an examp
 always specialises). One exception, models with convolutions: they compile for the example's shapes, because
 Inductor pre-packs convolution weights for oneDNN only when the input shape is static; with a symbolic batch it
 packs fp32/bf16 weights at run time on every call, and int8 ones (torchao's x86 lowering) for no input shape, which
-oneDNN then re-orders on every call (ResNet-50 batch 16, int8: 0.64x the static package; fp32/bf16: 0.96-0.97x).
-AOTIConfig(dynamic_dims=(0,)) asks for a dynamic batch there anyway. AOTIConfig.dynamic_dims=(0, 1) also frees the sequence dim of token inputs;
-AOTIConfig.dynamic_shapes is handed to torch.export as is when the automatic rule does not fit. The dims that
-ended up dynamic are logged at INFO.
+oneDNN then re-orders when it runs (ResNet-50 batch 16, int8: 0.63-0.67x the static package in three processes,
+0.98x in a fourth; fp32/bf16: 0.96-0.97x). AOTIConfig(dynamic_dims=(0,)) asks for a dynamic batch there anyway.
+AOTIConfig.dynamic_dims=(0, 1) also frees the sequence dim of token inputs; AOTIConfig.dynamic_shapes is handed to
+torch.export as is when the automatic rule does not fit. The dims that ended up dynamic are logged at INFO.
 
-Self-check: the package is loaded once after compiling and run on example_inputs against the model (cosine of
+Self-check: the package is loaded once after compiling and run on a copy of example_inputs against the model (cosine of
 each output >= 0.99: a miscompile check, not a precision one). A dynamic-shape package that fails it is
 recompiled with static shapes, with a warning (torch 2.14.1 miscompiles int8 convolutions with one input channel
 for a dynamic batch); a static one that fails raises RuntimeError.
