@@ -18,6 +18,39 @@ struct Kernels {
   void (*norms)(Layout, const Chunk&, const Coef&, double* a_sq, double* b_sq);
 };
 
+// Attention dropout (attention_rows.h): element j of a row is kept when hash(j, key0, key1) >> 8 >= threshold
+// (threshold = p * 2^24) and then multiplied by scale (1 / (1 - p)).
+struct Dropout {
+  bool enabled;
+  uint32_t threshold;
+  float scale;
+  uint32_t key0, key1;  // the row's keys
+};
+
+// One row of attention scores for the softmax forward: p = softmax(scores * scale + mask) over columns [0, valid),
+// 0 in [valid, n); p_drop = p with dropout (null without). p may alias scores; scratch holds n floats.
+struct SoftmaxRow {
+  const uint16_t* scores;
+  const float* mask;  // the row's additive mask, or null
+  uint16_t* p;
+  uint16_t* p_drop;
+  float* scratch;
+  int64_t n, valid;
+  float scale;
+  Dropout drop;
+};
+
+// One row of the softmax backward: ds = p * (dp' - sum(dp' * p)) * scale, dp' = dp with the row's dropout applied
+// (when drop.enabled). ds may alias dp.
+struct SoftmaxGradRow {
+  const uint16_t* p;
+  const uint16_t* dp;
+  uint16_t* ds;
+  int64_t n;
+  float scale;
+  Dropout drop;
+};
+
 // Per-ISA entry points: one per optimizer of ITR_OPTIMIZERS (optimizers.h), then the split-bf16 conversions.
 struct KernelTable {
   const char* name;
@@ -28,6 +61,8 @@ struct KernelTable {
   void (*combine_bf16)(const uint16_t* top, const int16_t* residual, float* dst, int64_t n);
   // Encodes n fp32 values in an int8 format (the state encoding of the steps, ipex_train/state_codec.h).
   void (*q8_encode)(StateCodec c, const float* in, void* codes, float* scales, int64_t n);
+  void (*softmax_row)(const SoftmaxRow& row);  // attention_rows.h
+  void (*softmax_grad_row)(const SoftmaxGradRow& row);
 };
 
 // The entry of optimizer Opt in table t.

@@ -31,6 +31,14 @@ namespace {
 
 struct IsaTag {};  // makes every storage and element template instantiated here local to this ISA's file
 
+}  // namespace
+}  // namespace ipex_train
+
+#include "attention_rows.h"  // after IsaTag, whose scalar access it uses
+
+namespace ipex_train {
+namespace {
+
 template <Layout L>
 using ScalarAccess = storage::Scalar<typename std::conditional<L == Layout::kF64, double, float>::type, IsaTag>;
 
@@ -266,7 +274,8 @@ void q8_encode(StateCodec c, const float* in, void* codes, float* scales, int64_
 }  // namespace
 
 #define ITR_ENTRY(name, args) Loops<fused::name>::entry(),
-extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_OPTIMIZERS(ITR_ENTRY) split_bf16, combine_bf16, q8_encode};
+extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_OPTIMIZERS(ITR_ENTRY) split_bf16, combine_bf16, q8_encode,
+                                     attn::softmax_row, attn::softmax_grad_row};
 #undef ITR_ENTRY
 
 }  // namespace ipex_train

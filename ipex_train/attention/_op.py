@@ -1,0 +1,48 @@
+"""torch.library registrations of the attention ops (kernels_cpu/src/attention.cpp): fake (meta) kernels, so that
+torch.compile traces them without a graph break, and the autograd formula of ``attention_forward``."""
+from __future__ import annotations
+
+import torch
+
+from .. import _ops  # noqa: F401  (loads the extension that defines torch.ops.ipex_train.attention_*)
+
+_FORWARD = "ipex_train::attention_forward"
+_BACKWARD = "ipex_train::attention_backward"
+
+
+@torch.library.register_fake(_FORWARD)
+def _forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, seed):
+    b, hq, s, _ = query.shape
+    t, dv = value.shape[-2], value.shape[-1]
+    probs = query.new_empty((b, key.shape[1], (hq // key.shape[1]) * s, t))
+    dropped = query.new_empty((b, key.shape[1], (hq // key.shape[1]) * s, t) if dropout_p > 0 else (0,))
+    return query.new_empty((b, hq, s, dv)), probs, dropped
+
+
+@torch.library.register_fake(_BACKWARD)
+def _backward_fake(grad_out, query, key, value, probs, dropped_probs, dropout_p, scale, seed):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, dropout_p, is_causal, scale, seed = inputs
+    _, probs, dropped = output
+    ctx.save_for_backward(query, key, value, probs, dropped, seed)
+    ctx.dropout_p = dropout_p
+    ctx.scale = scale
+    ctx.mark_non_differentiable(probs, dropped)
+
+
+def _backward(ctx, grad_out, grad_probs, grad_dropped):
+    query, key, value, probs, dropped, seed = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ipex_train.attention_backward(grad_out, query, key, value, probs, dropped,
+                                                         ctx.dropout_p, ctx.scale, seed)
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd(_FORWARD, _backward, setup_context=_setup_context)
+
+
+def forward(query, key, value, attn_mask, dropout_p: float, is_causal: bool, scale: float, seed):
+    """The attention output of ``torch.ops.ipex_train.attention_forward`` (differentiable in query, key, value)."""
+    return torch.ops.ipex_train.attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, seed)[0]
