@@ -481,7 +481,7 @@ def test_mode_looks_inside_only_composites_that_can_reach_an_emulated_op():
     # that cannot call an emulated op (dropout, layer_norm: several per transformer block) are called directly.
     from ipex_train.compute_policy import _mode
 
-    reaching = _mode._reaching_emulated_ops()
+    reaching = _mode._reaching(_mode._EMULATED)
     assert F.multi_head_attention_forward in reaching  # names linear, baddbmm, scaled_dot_product_attention
     assert F._in_projection_packed in reaching  # reaches linear through F.linear
     assert {F.dropout, F.layer_norm, F.batch_norm, F.relu, F.gelu} & reaching == set()

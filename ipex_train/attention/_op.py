@@ -21,7 +21,8 @@ def _forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, see
 
 @torch.library.register_fake(_BACKWARD)
 def _backward_fake(grad_out, query, key, value, probs, dropped_probs, dropout_p, scale, seed):
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    # Contiguous, as the kernel returns them whatever the inputs' strides (compiled graphs rely on the strides).
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _setup_context(ctx, inputs, output):

@@ -85,7 +85,7 @@ import weakref
 import torch
 
 from .. import _envvars
-from ._mode import _EmulationMode
+from ._mode import _AttentionMode, _EmulationMode
 
 __all__ = [
     "POLICIES",
@@ -95,6 +95,7 @@ __all__ = [
     "info",
     "attach",
     "slow_bf16_depthwise",
+    "calls_attention",
     "emulated_bf16",
     "ComputePolicyHandle",
 ]
@@ -174,22 +175,37 @@ def info() -> dict[str, object]:
 # --------------------------------------------------------------------------- scoping
 
 
-_tls = threading.local()
+class _Scope(threading.local):
+    """A TorchFunctionMode entered per thread while at least one scoped forward runs (re-entrant by depth)."""
+
+    def __init__(self, mode_type):
+        self.mode_type = mode_type
+        self.depth = 0
+        self.mode = None
+
+    def enter(self) -> None:
+        if self.depth == 0:
+            self.mode = self.mode_type()
+            self.mode.__enter__()
+        self.depth += 1
+
+    def leave(self) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+
+
+_emulation = _Scope(_EmulationMode)
+_attention = _Scope(_AttentionMode)
 
 
 def _enter() -> None:
-    depth = getattr(_tls, "depth", 0)
-    if depth == 0:
-        _tls.mode = _EmulationMode()
-        _tls.mode.__enter__()
-    _tls.depth = depth + 1
+    _emulation.enter()
 
 
 def _leave() -> None:
-    _tls.depth -= 1
-    if _tls.depth == 0:
-        _tls.mode.__exit__(None, None, None)
-        _tls.mode = None
+    _emulation.leave()
 
 
 @contextlib.contextmanager
@@ -217,7 +233,8 @@ class ComputePolicyHandle:
 
     @property
     def active(self) -> bool:
-        """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs)."""
+        """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs and, in
+        models that call attention (:func:`calls_attention`), to route it to ``ipex_train.attention``)."""
         return bool(self._hooks)
 
     def remove(self) -> None:
@@ -245,6 +262,14 @@ def _leave_hook(module, args, output):
 # The native policy's depthwise rule is about backward kernels: without grad (eval loops, inference) the bf16
 # forward is the faster one (EfficientNet-B0 eval forward 14.6 vs 16.4 ms in fp32). The two hooks bracket one leaf
 # conv's forward, which cannot change grad mode, so they agree on whether the scope was entered.
+def _enter_attention_hook(module, args):
+    _attention.enter()
+
+
+def _leave_attention_hook(module, args, output):
+    _attention.leave()
+
+
 def _enter_hook_with_grad(module, args):
     if torch.is_grad_enabled():
         _enter()
@@ -261,6 +286,18 @@ def slow_bf16_depthwise(module: torch.nn.Module) -> bool:
             and (max(module.stride) > 1 or max(module.kernel_size) > 3))
 
 
+def calls_attention(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (probably) calls ``F.scaled_dot_product_attention``: it holds an ``nn.MultiheadAttention``,
+    a Hugging Face module configured for SDPA attention (``config._attn_implementation == "sdpa"``), or a module with
+    ``fused_attn = True`` (timm's attention blocks). The native policy routes attention only in such models."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.MultiheadAttention) or getattr(module, "fused_attn", None) is True:
+            return True
+        if getattr(getattr(module, "config", None), "_attn_implementation", None) == "sdpa":
+            return True
+    return False
+
+
 def attached(model: torch.nn.Module) -> ComputePolicyHandle | None:
     """The handle of the compute policy attached to ``model`` (by :func:`attach`), or None."""
     return _attached.get(model)
@@ -272,7 +309,9 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     "emulated" enters :func:`emulated_bf16` for the duration of each ``model(...)`` call, and of each
     call of one of its submodules that has children outside it (activation checkpointing recomputes
     blocks in backward); the backward of the graph built there is emulated too. "native" enters it
-    only around the depthwise convs of :func:`slow_bf16_depthwise`. Attaching again returns the
+    only around the depthwise convs of :func:`slow_bf16_depthwise`, and, in models that call attention
+    (:func:`calls_attention`), routes ``F.scaled_dot_product_attention`` to ``ipex_train.attention`` over the same
+    scope as "emulated". Attaching again returns the
     existing handle for the same policy, or replaces a different one.
     """
     if policy not in POLICIES:
@@ -285,21 +324,27 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
             return existing
         existing.remove()
     hooks = []
+    # On the model and every submodule that has children: activation checkpointing re-runs a block's forward
+    # during backward, outside the model's forward (HF gradient_checkpointing_enable() on a GPT-2 failed with
+    # "mat1 and mat2 must have the same dtype"), and the recomputation must run the same ops (the same attention
+    # dropout masks). Inside the model's forward the scope is already entered and a block only bumps a per-thread
+    # depth. Not on leaf layers: hooks on every module cost 2-5% of a small model's step (timm convnext_atto,
+    # mobilenetv3), and checkpointing wraps blocks, not single layers.
+    scoped = [module for module in model.modules() if module is model or next(module.children(), None) is not None]
     if policy == "native":
         for module in model.modules():
             if slow_bf16_depthwise(module):
                 hooks.append(module.register_forward_pre_hook(_enter_hook_with_grad))
                 hooks.append(module.register_forward_hook(_leave_hook_with_grad, always_call=True))
+        # Attention calls go to ipex_train.attention (bf16 matmuls + fused softmax rows, 3.5x torch's bf16 attention
+        # at sequence 128; docs/attention.md). Only in models that call it: the hooks and the mode cost the others.
+        for module in (scoped if calls_attention(model) else ()):
+            hooks.append(module.register_forward_pre_hook(_enter_attention_hook))
+            hooks.append(module.register_forward_hook(_leave_attention_hook, always_call=True))
     else:
-        # On the model and every submodule that has children: activation checkpointing re-runs a block's forward
-        # during backward, outside the model's forward (HF gradient_checkpointing_enable() on a GPT-2 failed with
-        # "mat1 and mat2 must have the same dtype"). Inside the model's forward the scope is already entered and a
-        # block only bumps a per-thread depth. Not on leaf layers: hooks on every module cost 2-5% of a small
-        # model's step (timm convnext_atto, mobilenetv3), and checkpointing wraps blocks, not single layers.
-        for module in model.modules():
-            if module is model or next(module.children(), None) is not None:
-                hooks.append(module.register_forward_pre_hook(_enter_hook))
-                hooks.append(module.register_forward_hook(_leave_hook, always_call=True))
+        for module in scoped:
+            hooks.append(module.register_forward_pre_hook(_enter_hook))
+            hooks.append(module.register_forward_hook(_leave_hook, always_call=True))
     handle = ComputePolicyHandle(model, policy, tuple(hooks))
     _attached[model] = handle
     return handle

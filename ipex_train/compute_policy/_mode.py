@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .. import _ops
+from .. import _ops, attention
 from . import _saved
 from ._functions import (
     _AddMatmul,
@@ -293,16 +293,16 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _reaching_emulated_ops() -> set[types.FunctionType]:
-    """The torch.nn.functional functions that can call an emulated op: they name one (``linear``, ``bmm``,
+def _reaching(targets) -> set[types.FunctionType]:
+    """The torch.nn.functional functions that can call one of ``targets``: they name one (``linear``, ``bmm``,
     ``scaled_dot_product_attention``...), name another such function of the module, or run a function passed in
-    (``distance_function``). Only these need the mode to see inside them; re-entering it around the rest (dropout,
+    (``distance_function``). Only these need a mode to see inside them; re-entering it around the rest (dropout,
     layer_norm, batch_norm, relu: 3-4 per block) cost a context switch and a second dispatch per call for nothing."""
-    emulated = {getattr(func, "__name__", None) for func in _EMULATED} - {None}
+    wanted = {getattr(func, "__name__", None) for func in targets} - {None}
     functions = {name: func for name, func in vars(F).items() if type(func) is types.FunctionType}
     names = {name: _names(func.__code__) for name, func in functions.items()}
     reaching = {name for name, func in functions.items()
-                if names[name] & emulated or any("function" in arg for arg in func.__code__.co_varnames)}
+                if names[name] & wanted or any("function" in arg for arg in func.__code__.co_varnames)}
     grown = True
     while grown:
         more = {name for name in functions if name not in reaching and names[name] & reaching}
@@ -315,7 +315,13 @@ def _reaching_emulated_ops() -> set[types.FunctionType]:
 # (type.__new__), and a lazily built copy broke the graph at every functional call inside a compiled forward.
 _TRANSPARENT = {
     func: body
-    for func in _reaching_emulated_ops()
+    for func in _reaching(_EMULATED)
+    if (body := _transparent(func)) is not None
+}
+# The same for the native policy's attention routing (F.multi_head_attention_forward, used by nn.MultiheadAttention).
+_TRANSPARENT_TO_ATTENTION = {
+    func: body
+    for func in _reaching({F.scaled_dot_product_attention})
     if (body := _transparent(func)) is not None
 }
 
@@ -340,6 +346,21 @@ class _EmulationMode(TorchFunctionMode):
                 return impl(func, args, kwargs, out_dtype)
             return func(*args, **kwargs)
         body = _TRANSPARENT.get(func)
+        if body is not None:
+            with self:
+                return body(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class _AttentionMode(TorchFunctionMode):
+    """The native policy's routing: F.scaled_dot_product_attention goes to ipex_train.attention's bf16 attention
+    (which calls torch's for what it does not cover); every other call runs as it would."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return attention.scaled_dot_product_attention(*args, **kwargs)
+        body = _TRANSPARENT_TO_ATTENTION.get(func)
         if body is not None:
             with self:
                 return body(*args, **kwargs)
