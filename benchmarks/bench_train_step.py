@@ -160,13 +160,14 @@ class _Worker:
         return self.result
 
 
-def run_model(model_name: str, variants: list[str], quick: bool, threads: int | None) -> list[dict]:
+def run_model(model_name: str, variants: list[str], quick: bool, threads: int | None,
+              steps: int | None = None) -> list[dict]:
     """All variants of one model, their steps interleaved round-robin (one process each)."""
     workers = []
     for name in variants:
-        steps, warmup = _plan(quick, name)
+        steps_, warmup = _plan(quick, name, steps)
         print(f"{model_name}/{name}: {warmup} warm-up + {steps} timed steps", file=sys.stderr, flush=True)
-        workers.append(_Worker(model_name, name, steps, warmup, threads))
+        workers.append(_Worker(model_name, name, steps_, warmup, threads))
     while any(w.remaining for w in workers):
         for w in workers:
             if w.remaining:
@@ -198,12 +199,37 @@ def memory_run(model_name: str, variants: list[str], threads: int | None) -> dic
     return out
 
 
-def _plan(quick: bool, variant_name: str) -> tuple[int, int]:
-    """(timed steps, warm-up steps) for a variant."""
+def _plan(quick: bool, variant_name: str, steps: int | None = None) -> tuple[int, int]:
+    """(timed steps, warm-up steps) for a variant; ``steps`` overrides the timed steps of the non-slow ones."""
     if VARIANTS[variant_name].slow:
         return (1, 0) if quick else (2, 1)
     warmup = 2 if VARIANTS[variant_name].compiled else 1  # compile, then one compiled step before timing
-    return (6, warmup) if quick else (50, warmup)
+    return (steps or (6 if quick else 50), warmup)
+
+
+def matmul_roof_gflops(n: int = 2048, repeats: int = 10) -> float:
+    """GFLOP/s of an n^3 bf16 matmul here (best of ``repeats``, after a warm-up): the bf16 roof a step is held to."""
+    a, b = torch.randn(n, n).to(torch.bfloat16), torch.randn(n, n).to(torch.bfloat16)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def step_flops(spec: ModelSpec) -> float:
+    """Matmul-class FLOPs of one forward + backward of the model (torch.utils.flop_counter, fp32 run: the count does
+    not depend on the dtype)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = spec.build()
+    x = torch.randn(spec.input_shape)
+    with FlopCounterMode(display=False) as counter:
+        model(x).float().sum().backward()
+    return float(counter.get_total_flops())
 
 
 def _variants_for(model_name: str, variants: list[str], quick: bool) -> list[str]:
@@ -269,6 +295,15 @@ RATIO_TARGETS = (
 )
 
 
+# The transformers at the roof (ModelSpec.roof): optimize(bf16) against autocast and autocast + torch.compile, and
+# the share of the bf16 matmul roof its step reaches (docs/attention.md).
+ROOF_RATIO_TARGETS = (
+    ("optimize_bf16", "autocast_bf16", 0.85, True),
+    ("optimize_bf16", "autocast_compile", 0.9, True),
+)
+ROOF_SHARE = 0.85
+
+
 def _targets(results: list[dict], by_model_fp32: dict[str, dict]) -> list[dict]:
     """PASS/FAIL rows: time, memory and loss of the optimize() variants against fp32, and the ratio targets."""
     targets = []
@@ -296,13 +331,18 @@ def _targets(results: list[dict], by_model_fp32: dict[str, dict]) -> list[dict]:
                             "value": gap["final_target_gap"],
                             "pass": gap["final_target_gap"] < (SOLVED_BOUND if gap["solved"] else 0.01)})
     for model in dict.fromkeys(r["model"] for r in results):
-        for name, reference, bound, needs_bf16_units in RATIO_TARGETS:
+        targets_here = RATIO_TARGETS + (ROOF_RATIO_TARGETS if MODELS[model].roof else ())
+        for name, reference, bound, needs_bf16_units in targets_here:
             ratio = _relative(results, model, name, reference)
             applies = (os.environ.get(CPU_ISA_ENV) == "avx2" if needs_bf16_units is None
                        else native_bf16() or not needs_bf16_units)
             if applies and ratio is not None:
                 targets.append({"target": f"{model} {name} step time <= {bound}x {reference}", "value": ratio,
                                 "pass": ratio <= bound})
+    for r in results:
+        if r["variant"] == "optimize_bf16" and "share_of_bf16_roof" in r and native_bf16():
+            targets.append({"target": f"{r['model']} optimize_bf16 step >= {ROOF_SHARE} of the bf16 matmul roof",
+                            "value": r["share_of_bf16_roof"], "pass": r["share_of_bf16_roof"] >= ROOF_SHARE})
     return targets
 
 
@@ -314,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
                              f"for {' '.join(n for n in QUICK_MODELS if not MODELS[n].large)}")
     parser.add_argument("--json", type=Path, help="write all results to this file")
     parser.add_argument("--threads", type=int, help="torch threads per run (default: torch's default)")
+    parser.add_argument("--steps", type=int, help="timed steps per variant (default: 50, or 6 with --quick)")
+    parser.add_argument("--no-memory", action="store_true", help="leave out the memory phase")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
                         help=f"default: all; with --quick: {' '.join(QUICK_MODELS)}")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS),
@@ -343,9 +385,17 @@ def main(argv: list[str] | None = None) -> None:
     by_model_fp32 = {}
     for model_name in args.models:
         variants = _variants_for(model_name, args.variants, args.quick)
-        by_variant = {r["variant"]: r for r in run_model(model_name, variants, args.quick, args.threads)}
-        for name, mem in memory_run(model_name, args.variants, args.threads).items():
-            by_variant[name]["memory"] = mem
+        roof = matmul_roof_gflops() if MODELS[model_name].roof else None
+        by_variant = {r["variant"]: r for r in run_model(model_name, variants, args.quick, args.threads, args.steps)}
+        if roof is not None:
+            roof = max(roof, matmul_roof_gflops())  # before and after the interleaved steps: the better one
+            flops = step_flops(MODELS[model_name])
+            for r in by_variant.values():
+                r["roof_gflops"], r["step_gflop"] = roof, flops / 1e9
+                r["share_of_bf16_roof"] = flops / r["median_step_s"] / 1e9 / roof
+        if not args.no_memory:
+            for name, mem in memory_run(model_name, args.variants, args.threads).items():
+                by_variant[name]["memory"] = mem
         fp32 = by_model_fp32[model_name] = by_variant["fp32"]
         for name, r in by_variant.items():
             r["ratio_vs_fp32"] = r["median_step_s"] / fp32["median_step_s"]
@@ -355,6 +405,11 @@ def main(argv: list[str] | None = None) -> None:
             results.append(r)
 
     print(_table(results))
+    for r in results:
+        if "share_of_bf16_roof" in r:
+            print(f"{r['model']}/{r['variant']}: {r['step_gflop']:.0f} GFLOP per step (matmul-class) at "
+                  f"{r['step_gflop'] / r['median_step_s']:.0f} GFLOP/s = {100 * r['share_of_bf16_roof']:.1f}% of the "
+                  f"bf16 matmul roof measured in this run ({r['roof_gflops']:.0f} GFLOP/s, 2048^3)")
     targets = _targets(results, by_model_fp32)
     print("\ntargets:")
     for t in targets:

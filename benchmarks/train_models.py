@@ -6,6 +6,7 @@ float tensor and returns class logits.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,14 +63,14 @@ class Encoder(nn.Module):
 
 
 class BertLike(nn.Module):
-    """HuggingFace BertModel from a BERT-base config (hidden 768, 12 heads, FFN 3072), 4 of its 12 layers so that
-    quick mode fits in minutes on 2 cores, fed embeddings; classifier on the pooled [CLS] output."""
+    """HuggingFace BertModel from a BERT-base config (hidden 768, 12 heads, FFN 3072), by default 4 of its 12 layers
+    so that quick mode fits in minutes on 2 cores, fed embeddings; classifier on the pooled [CLS] output."""
 
-    def __init__(self):
+    def __init__(self, layers: int = 4):
         super().__init__()
         from transformers import BertConfig, BertModel
 
-        config = BertConfig(num_hidden_layers=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = BertConfig(num_hidden_layers=layers, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         self.bert = BertModel(config, add_pooling_layer=True)
         self.head = nn.Linear(config.hidden_size, NUM_CLASSES)
 
@@ -83,6 +84,31 @@ def _vit():
 
     return VisionTransformer(image_size=64, patch_size=8, num_layers=6, num_heads=6, hidden_dim=384, mlp_dim=1536,
                              num_classes=NUM_CLASSES)
+
+
+def _vit_b16():
+    """torchvision ViT-B/16 at 224 px (12 layers, hidden 768, 197 tokens)."""
+    from torchvision.models import vit_b_16
+
+    return vit_b_16(num_classes=NUM_CLASSES)
+
+
+class LlamaLike(nn.Module):
+    """HuggingFace LlamaModel from a config (8 layers, hidden 768, 12 query heads over 4 key/value heads, SwiGLU FFN
+    2048, causal attention), fed embeddings; classifier on the mean of the last hidden states."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaModel
+
+        config = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
+                             num_key_value_heads=4, vocab_size=256, max_position_embeddings=512,
+                             attn_implementation="sdpa")
+        self.llama = LlamaModel(config)
+        self.head = nn.Linear(config.hidden_size, NUM_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.llama(inputs_embeds=x).last_hidden_state.mean(1))
 
 
 def _resnet50():
@@ -123,6 +149,7 @@ class ModelSpec:
     optimizer: Callable[..., torch.optim.Optimizer] = sgd
     large: bool = False  # quick mode leaves out its torch.compile variants (minutes of compilation each)
     quick: bool = True  # quick mode runs it (every model runs in full mode)
+    roof: bool = False  # the benchmark prints its step's share of the bf16 matmul roof measured in the same run
 
 
 MODELS = {
@@ -133,6 +160,11 @@ MODELS = {
     # Quick mode leaves out the two slowest (a transformer encoder and a CNN of the same kinds stay in it).
     "bert_like": ModelSpec(BertLike, (8, 128, 768), 0.002, 0.05, large=True, quick=False),
     "vit": ModelSpec(_vit, (16, 3, 64, 64), 0.002, 0.05, large=True),
+    # Transformers at the bf16 matmul roof (docs/attention.md): full-size shapes, left out of quick mode.
+    "bert_base": ModelSpec(functools.partial(BertLike, 12), (8, 128, 768), 0.002, 0.05, large=True, quick=False,
+                           roof=True),
+    "vit_b16": ModelSpec(_vit_b16, (4, 3, 224, 224), 0.002, 0.05, large=True, quick=False, roof=True),
+    "llama_s256": ModelSpec(LlamaLike, (4, 256, 768), 0.002, 0.05, large=True, quick=False, roof=True),
     "resnet50": ModelSpec(_resnet50, (8, 3, 64, 64), 0.003, 0.05, large=True, quick=False),
     # The small real models of issue #14: batch 8, 64 px, timm's optimizer; per-op overhead matters most here.
     "timm_resnet18": ModelSpec(_timm("resnet18"), (8, 3, 64, 64), 1e-3, 0.05, optimizer=timm_adamw, large=True),

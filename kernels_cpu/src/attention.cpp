@@ -76,12 +76,15 @@ void each_row(int64_t rows, int64_t n, const Body& body) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
-                                                                 const at::Tensor& v,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                                 const at::Tensor& v_in,
                                                                  const std::optional<at::Tensor>& mask_in,
                                                                  double dropout_p, bool is_causal, double scale,
                                                                  const at::Tensor& seed_t) {
-  check_inputs(q, k, v);
+  check_inputs(q_in, k_in, v_in);
+  // Contiguous copies first: on Hugging Face's transposed (batch, seq, heads, dim) views at::matmul copied the
+  // transposed key by a slower path (0.55 ms against 0.30 + 0.04 for copy and product at b8 h12 s128 d64).
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const int64_t seed = seed_of(seed_t);
   TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, kOp, ": dropout_p must be in [0, 1), got ", dropout_p);
   const int64_t b = q.size(0), hq = q.size(1), hk = k.size(1), s = q.size(2), t = k.size(2);
@@ -116,15 +119,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward(const at::Tenso
   return {out, p, p_drop};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& grad, const at::Tensor& q,
-                                                                  const at::Tensor& k, const at::Tensor& v,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& grad, const at::Tensor& q_in,
+                                                                  const at::Tensor& k_in, const at::Tensor& v_in,
                                                                   const at::Tensor& p, const at::Tensor& p_drop,
                                                                   double dropout_p, double scale,
                                                                   const at::Tensor& seed_t) {
-  check_inputs(q, k, v);
+  check_inputs(q_in, k_in, v_in);
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const int64_t seed = seed_of(seed_t);
   const int64_t hq = q.size(1), hk = k.size(1), s = q.size(2), t = k.size(2);
-  const at::Tensor g = group(grad.to(at::kBFloat16), hk);
+  const at::Tensor g = group(grad.to(at::kBFloat16).contiguous(), hk);
   const at::Tensor qg = group(q, hk);
   at::Tensor dv = at::matmul((dropout_p > 0.0 ? p_drop : p).transpose(-1, -2), g);
   at::Tensor ds = at::matmul(g, v.transpose(-1, -2)).contiguous();  // dP, then dS in place
