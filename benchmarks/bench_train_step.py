@@ -7,7 +7,10 @@ Run from the repository root::
 
 The models are in train_models.MODELS (a small ResNet-style CNN, an nn.TransformerEncoder, a BERT-base-like
 HuggingFace encoder, a torchvision ViT, torchvision ResNet-50, and timm's resnet18, mobilenetv3_small, vit_tiny,
-convnext_atto and efficientnet_b0 at batch 8/64 px with timm's AdamW; quick mode runs QUICK_MODELS), each
+convnext_atto and efficientnet_b0 at batch 8/64 px with timm's AdamW; full-size transformers for the attention work:
+a 12-layer BERT-base at b8 s128, torchvision ViT-B/16 at 224 px and a Llama-style decoder at s256, for which the step's
+share of the bf16 matmul roof (a 2048^3 bf16 matmul timed before and after their steps) is printed; quick mode runs
+QUICK_MODELS), each
 trained with every variant in VARIANTS (QUICK_VARIANTS in quick mode) on the same learnable data (bf16-weight
 variants keep fp32 master weights). Each (model, variant) pair runs in its own subprocess so that its peak RSS
 (resource.getrusage ru_maxrss) is its own; the driver interleaves their steps round-robin so that
