@@ -146,3 +146,16 @@ def test_compiled_model_has_no_graph_break():
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
     out.float().sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_llama_with_fp32_rotary_embedding_trains():
+    # Fed fp32 embeddings, HF Llama's rotary embedding makes query/key fp32 beside a bf16 value: torch's attention
+    # refuses the mix; the native policy computes it in bf16.
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=16, attn_implementation="sdpa")
+    model = _optimized(transformers.LlamaModel(config))
+    with Ops() as ops:
+        out = model(inputs_embeds=torch.randn(2, 12, 32)).last_hidden_state
+        out.float().sum().backward()
+    assert OURS in ops.names and torch.isfinite(out.float()).all()

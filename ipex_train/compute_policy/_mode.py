@@ -352,6 +352,16 @@ class _EmulationMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _same_dtype_qkv(args):
+    """query, key, value in bf16 when they mix bf16 and fp32 (a bf16 model whose rotary embedding is computed in fp32
+    from fp32 inputs: Hugging Face Llama fed fp32 embeddings), which torch's attention refuses; as they are else."""
+    qkv = args[:3]
+    dtypes = {t.dtype for t in qkv if isinstance(t, torch.Tensor)}
+    if len(qkv) == 3 and dtypes == {torch.bfloat16, torch.float32}:
+        return tuple(t.to(torch.bfloat16) for t in qkv) + tuple(args[3:])
+    return args
+
+
 class _AttentionMode(TorchFunctionMode):
     """The native policy's routing: F.scaled_dot_product_attention goes to ipex_train.attention's bf16 attention
     (which calls torch's for what it does not cover); every other call runs as it would."""
@@ -359,7 +369,7 @@ class _AttentionMode(TorchFunctionMode):
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return attention.scaled_dot_product_attention(*args, **kwargs)
+            return attention.scaled_dot_product_attention(*_same_dtype_qkv(args), **kwargs)
         body = _TRANSPARENT_TO_ATTENTION.get(func)
         if body is not None:
             with self:
