@@ -6,7 +6,9 @@ has an fp32 master stepped by a plain torch.optim optimizer; the forward uses th
 split-storage rule (fp32 bits + 0x8000, top 16 bits: round to nearest, ties away from zero); its gradient is rounded
 to bf16 as it arrives and again after each accumulation (a bf16 .grad sums in bf16). The activations follow the
 compute policy: bf16 into and out of each converted layer under "native", fp32 throughout under "emulated" (the
-bf16 weight is computed as its exact fp32 value). Nothing here imports ipex_train.
+bf16 weight is computed as its exact fp32 value). Under "native", attention without mask or dropout rounds as
+ipex_train's bf16 attention does (bf16 products, fp32 softmax, probabilities and dS rounded to bf16 once each),
+written out in torch ops. Nothing here imports ipex_train.
 
 Also: clipping by the global grad norm written out (the reference for torch.nn.utils.clip_grad_norm_ after
 optimize(), which ipex_train wraps), and the check that every parameter moved well past a comparison's tolerance.
@@ -14,7 +16,9 @@ optimize(), which ipex_train wraps), and the check that every parameter moved we
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 BF16 = torch.bfloat16
 CONVERTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
@@ -58,6 +62,38 @@ def _round_grad(p):
     p.grad.copy_(p.grad.to(BF16))
 
 
+class _Bf16Attention(torch.autograd.Function):
+    """softmax(q k^T * scale) v for bf16 q, k, v with ipex_train's attention rounding, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        p = torch.softmax((q @ k.transpose(-1, -2)).float() * scale, dim=-1).to(BF16)
+        ctx.save_for_backward(q, k, v, p)
+        ctx.scale = scale
+        return p @ v
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, p = ctx.saved_tensors
+        grad = grad.to(BF16)
+        dp = (grad @ v.transpose(-1, -2)).float()
+        pf = p.float()
+        ds = (pf * (dp - (dp * pf).sum(-1, keepdim=True)) * ctx.scale).to(BF16)
+        return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ grad, None
+
+
+class _Bf16AttentionMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        plain = (len(args) == 3 and set(kwargs) <= {"attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"}
+                 and kwargs.get("attn_mask") is None and not kwargs.get("dropout_p") and not kwargs.get("is_causal")
+                 and not kwargs.get("enable_gqa"))
+        if func is F.scaled_dot_product_attention and plain and all(t.dtype == BF16 for t in args):
+            scale = kwargs.get("scale") or args[0].shape[-1] ** -0.5
+            return _Bf16Attention.apply(*args, scale)
+        return func(*args, **kwargs)
+
+
 class Bf16Emulation:
     """``model`` (deep-copied) trained the way optimize(model, opt, dtype=bf16) trains it, in plain torch.
 
@@ -84,6 +120,17 @@ class Bf16Emulation:
                 if not self.native:  # a bf16 .grad: each contribution and each sum rounded to bf16
                     p.register_hook(lambda g: g.to(BF16).to(g.dtype))
                     p.register_post_accumulate_grad_hook(_round_grad)
+        if self.native:  # attention as ipex_train's native policy computes it, for the model's forward
+            mode = _Bf16AttentionMode()
+
+            def enter(module, args):
+                mode.__enter__()
+
+            def leave(module, args, out):
+                mode.__exit__(None, None, None)
+
+            self.model.register_forward_pre_hook(enter)
+            self.model.register_forward_hook(leave, always_call=True)
         self.optimizer = make_optimizer([self.masters.get(p, p) for p in self.model.parameters()])
         self._publish()
 
