@@ -200,8 +200,10 @@ def test_adapter_save_reload_in_peft(trained, tmp_path):
             assert torch.equal(v, truth[k])
     with torch.no_grad():
         got, want = reloaded(input_ids=ids).logits.float(), trained(input_ids=ids).logits.float()
-    # The optimized model computes with bf16 adapter tops, the reloaded one with fp32 adapters.
-    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    # The optimized model computes with bf16 adapter tops, the reloaded one with fp32 adapters; and its attention is
+    # ipex_train's bf16 attention where the native policy routes it, torch's in the reloaded one (both round scores
+    # and probabilities to bf16, at different points: one logit of 8192 differed by 0.053).
+    torch.testing.assert_close(got, want, atol=0.08, rtol=0.02)
 
 
 def test_merge_and_unload(trained):
