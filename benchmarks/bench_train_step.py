@@ -46,6 +46,7 @@ import torch
 
 from ipex_train import compute_policy
 
+from .roof import matmul_roof_gflops, step_flops
 from .train_models import MODELS, NUM_CLASSES, QUICK_MODELS, ModelSpec
 from .train_variants import AVX2_ENV, CPU_ISA_ENV, QUICK_VARIANTS, VARIANTS, native_bf16
 
@@ -208,31 +209,6 @@ def _plan(quick: bool, variant_name: str, steps: int | None = None) -> tuple[int
         return (1, 0) if quick else (2, 1)
     warmup = 2 if VARIANTS[variant_name].compiled else 1  # compile, then one compiled step before timing
     return (steps or (6 if quick else 50), warmup)
-
-
-def matmul_roof_gflops(n: int = 2048, repeats: int = 10) -> float:
-    """GFLOP/s of an n^3 bf16 matmul here (best of ``repeats``, after a warm-up): the bf16 roof a step is held to."""
-    a, b = torch.randn(n, n).to(torch.bfloat16), torch.randn(n, n).to(torch.bfloat16)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e9
-
-
-def step_flops(spec: ModelSpec) -> float:
-    """Matmul-class FLOPs of one forward + backward of the model (torch.utils.flop_counter, fp32 run: the count does
-    not depend on the dtype)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    torch.manual_seed(0)
-    model = spec.build()
-    x = torch.randn(spec.input_shape)
-    with FlopCounterMode(display=False) as counter:
-        model(x).float().sum().backward()
-    return float(counter.get_total_flops())
 
 
 def _variants_for(model_name: str, variants: list[str], quick: bool) -> list[str]:
