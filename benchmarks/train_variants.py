@@ -200,6 +200,6 @@ def _bf16_native(model, spec):
     return _bf16_with_policy(model, spec, "native")
 
 
-# What quick mode runs unless --variants says otherwise: the peers of issue #14's targets.
+# What quick mode runs unless --variants says otherwise: the peers of the step-time targets.
 QUICK_VARIANTS = ("fp32", "autocast_bf16", "optimize_bf16", "optimize_bf16_emulated", "fp32_compile",
                   "autocast_compile", "optimize_bf16_compile")

@@ -20,7 +20,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def add_common_flags(parser: argparse.ArgumentParser, *, dtype: str, optimizer: str, optimizers: list[str],
                      steps: int, batch_size: int, channels_last: bool) -> None:
-    """The flags every recipe takes (issue 5): dtype, optimizer, steps, batch size, channels-last, fp32
+    """The flags every recipe takes: dtype, optimizer, steps, batch size, channels-last, fp32
     comparison, JSON and plot outputs."""
     parser.add_argument("--dtype", choices=list(DTYPES), default=dtype, help="dtype passed to ipex_train.optimize")
     parser.add_argument("--optimizer", choices=optimizers, default=optimizer)
