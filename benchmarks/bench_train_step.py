@@ -264,7 +264,7 @@ def _relative(results: list[dict], model: str, variant_name: str, reference: str
     return by_name[variant_name]["median_step_s"] / by_name[reference]["median_step_s"]
 
 
-# (variant, reference, bound, needs bf16 units): the step-time ratio targets (CNNs and the emulated policy), measured within the run.
+# (variant, reference, bound, needs bf16 units): step-time ratio targets, measured within the run.
 RATIO_TARGETS = (
     ("optimize_bf16", "autocast_bf16", 0.8, True),
     ("optimize_bf16_compile", "autocast_compile", 0.8, True),

@@ -166,7 +166,7 @@ MODELS = {
     "vit_b16": ModelSpec(_vit_b16, (4, 3, 224, 224), 0.002, 0.05, large=True, quick=False, roof=True),
     "llama_s256": ModelSpec(LlamaLike, (4, 256, 768), 0.002, 0.05, large=True, quick=False, roof=True),
     "resnet50": ModelSpec(_resnet50, (8, 3, 64, 64), 0.003, 0.05, large=True, quick=False),
-    # The small real models the CNN targets are measured on: batch 8, 64 px, timm's optimizer; per-op overhead matters most here.
+    # Small real CNNs: batch 8, 64 px, timm's optimizer; per-op overhead matters most here.
     "timm_resnet18": ModelSpec(_timm("resnet18"), (8, 3, 64, 64), 1e-3, 0.05, optimizer=timm_adamw, large=True),
     "timm_mobilenetv3": ModelSpec(_timm("mobilenetv3_small_100"), (8, 3, 64, 64), 1e-3, 0.05, optimizer=timm_adamw,
                                   large=True),
