@@ -8,6 +8,7 @@ magnitude (measured: up to 1.5%); a softmax computed wrongly (no scale, no mask,
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ipex_train import attention
 
@@ -179,6 +180,33 @@ def test_torch_compile_full_graph():
     assert torch.equal(out, fn(q, k, v))
     for a, b in zip(args, eager):
         assert torch.equal(a.grad, b.grad)
+
+
+class _Calls(TorchDispatchMode):
+    """Records (op, args) of every aten/ipex_train call made while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_neither_copies_saved_inputs_nor_fills_zero_grads():
+    # Hugging Face's transposed views are made contiguous once, before the op, so the op saves contiguous tensors
+    # and its backward copies none of them again; the grads of the probabilities (outputs nobody differentiates)
+    # are not materialised as S x T zeros.
+    q, k, v = (x.detach().requires_grad_() for x in _qkv(s=16, t=16, layout_bshd=True))
+    out = attention.scaled_dot_product_attention(q, k, v)
+    with _Calls() as record:
+        out.backward(torch.ones_like(out))
+    backward = [args for func, args in record.calls if func is torch.ops.ipex_train.attention_backward.default]
+    assert len(backward) == 1
+    assert all(t.is_contiguous() for t in backward[0][1:4])  # the saved query, key, value
+    names = {func.__name__ for func, _ in record.calls}
+    assert not names & {"fill_.Scalar", "zeros_like.default", "zeros.default", "new_zeros.default"}, names
 
 
 def test_what_it_does_not_cover_goes_to_torch():

@@ -92,4 +92,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     else:
         seed = torch.zeros(1, dtype=torch.int64)
     mask = None if attn_mask is None else _additive(attn_mask)
-    return _op.forward(query, key, value, mask, float(dropout_p), bool(is_causal), float(scale), seed)
+    # Contiguous before the op, not inside it: the op saves its inputs, and the kernel copied Hugging Face's
+    # transposed (batch, seq, heads, dim) views once in forward and again in backward. The copies replace the
+    # views' base (the projections' output) in what autograd keeps, so memory stays the same.
+    return _op.forward(query.contiguous(), key.contiguous(), value.contiguous(), mask, float(dropout_p),
+                       bool(is_causal), float(scale), seed)

@@ -32,6 +32,8 @@ def _setup_context(ctx, inputs, output):
     ctx.dropout_p = dropout_p
     ctx.scale = scale
     ctx.mark_non_differentiable(probs, dropped)
+    # The backward ignores the grads of probs and dropped: autograd would otherwise fill S x T zeros for them.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, grad_probs, grad_dropped):
