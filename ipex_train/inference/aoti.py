@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .graph_passes import fuse_shared_input_linears
+
 _log = logging.getLogger("ipex_train")
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -55,6 +57,8 @@ class AOTIConfig:
         strict: torch.export's strict (TorchDynamo) capture; False (torch's default) traces more Python.
         freezing: Inductor's freezing (weights as constants, pre-packed for oneDNN); keep it on for inference.
         inductor_configs: further torch._inductor.config options for aoti_compile_and_package.
+        fuse_linears: fuse linears that read the same tensor (attention's Q/K/V) into one GEMM over concatenated
+            weights, split after (graph_passes.fuse_shared_input_linears; exact). False keeps the graph as captured.
     """
 
     dtype: torch.dtype = torch.float32
@@ -63,6 +67,7 @@ class AOTIConfig:
     strict: bool = False
     freezing: bool = True
     inductor_configs: dict = field(default_factory=dict)
+    fuse_linears: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -70,7 +75,7 @@ class AOTIConfig:
         dims = self.dynamic_dims
         if dims is not None and (not isinstance(dims, tuple) or not all(type(d) is int and d >= 0 for d in dims)):
             raise TypeError(f"AOTIConfig: dynamic_dims must be None or a tuple of non-negative ints, got {dims!r}")
-        for name in ("strict", "freezing"):
+        for name in ("strict", "freezing", "fuse_linears"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"AOTIConfig: {name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.inductor_configs, dict):
@@ -121,6 +126,22 @@ def _model_frame(error: BaseException) -> str:
     return f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
 
 
+def fuse_linears(ep, args, *, dynamic_shapes=None, dynamic_dims=(0,)):
+    """``ep`` with linears that share their input fused (graph_passes.fuse_shared_input_linears), re-captured
+    with the same dynamic shapes so that Inductor gets an ExportedProgram; ``ep`` itself when nothing fuses."""
+    gm = ep.module()
+    fused = fuse_shared_input_linears(gm)
+    if not fused:
+        return ep
+    _log.info("ipex_train.inference.export(backend='aoti'): fused %d groups of linears sharing their input (%s)",
+              len(fused), ", ".join(f"{k}: {len(v)}" for k, v in list(fused.items())[:3]) +
+              (", ..." if len(fused) > 3 else ""))
+    # ep.module() takes the inputs positionally (also for _CastInputs, whose forward packs them in one tuple)
+    shapes = dynamic_shapes if dynamic_shapes is not None else dynamic_shapes_for(args, dynamic_dims)
+    with torch.no_grad():
+        return torch.export.export(gm, tuple(args), dynamic_shapes=shapes, strict=False)
+
+
 def dynamic_dims_of(ep) -> list[str]:
     """The symbolic input dims of an ExportedProgram, as "input0[0]" strings."""
     found, i = [], 0
@@ -161,6 +182,8 @@ def export_package(model: nn.Module, args: tuple, path, config: AOTIConfig) -> s
                       "example's shapes (Inductor pre-packs their weights only for static shapes); "
                       "AOTIConfig(dynamic_dims=(0,)) for a dynamic batch")
     ep = capture(model, args, dynamic_shapes=config.dynamic_shapes, dynamic_dims=dynamic_dims, strict=config.strict)
+    if config.fuse_linears:
+        ep = fuse_linears(ep, args, dynamic_shapes=config.dynamic_shapes, dynamic_dims=dynamic_dims)
     keep_inputs_unwritten(ep)
     dims = dynamic_dims_of(ep)
     _log.info("ipex_train.inference.export(backend='aoti'): dynamic input dims %s", ", ".join(dims) or "none")
@@ -176,6 +199,8 @@ def export_package(model: nn.Module, args: tuple, path, config: AOTIConfig) -> s
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         _log.warning(msg)
         ep = capture(model, args, dynamic_shapes=dynamic_shapes_for(args, ()), strict=config.strict)
+        if config.fuse_linears:
+            ep = fuse_linears(ep, args, dynamic_dims=())
         keep_inputs_unwritten(ep)
         with torch.no_grad():
             path = torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=options)

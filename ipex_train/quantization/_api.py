@@ -141,7 +141,7 @@ def prepare(model, qconfig=default_static_qconfig, example_inputs=None, inplace=
 
 
 def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dynamic_dims=None,
-            dynamic_shapes=None):
+            dynamic_shapes=None, fuse_linears=True):
     """Build the int8 model from a calibrated (or summary-loaded) PreparedModel.
 
     backend="eager" (default): Conv/Linear ops whose summary entry has every input quantized become torch quantized
@@ -156,7 +156,9 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
     torch.export takes it); ``dynamic_dims`` None: the batch, or no dim when a convolution is quantized (Inductor
     pre-packs int8 convolution weights only for static shapes). Compile it with torch.compile, or package it with
     ipex_train.inference.export(..., backend="aoti", path=...) using the same dynamic dims (its default follows
-    the same rule). When torch.export cannot capture the model (or the
+    the same rule). ``fuse_linears`` (pt2e only; default True): linears that read the same tensor with the same
+    input scale (attention's Q/K/V) become one int8 GEMM over the concatenated weights, each output channel keeping
+    its own weight scale; False keeps one GEMM per layer. When torch.export cannot capture the model (or the
     quantizer annotates a tensor no summary entry describes) it warns, naming what failed, and returns the eager
     int8 model instead. ``inplace`` must be False.
 
@@ -166,7 +168,7 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
     if backend not in ("eager", "pt2e"):
         raise ValueError(f"convert(): backend must be 'eager' or 'pt2e', got {backend!r}")
     if backend == "pt2e":
-        return _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes)
+        return _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes, fuse_linears)
     if isinstance(prepared, QuantizedModel):
         raise TypeError("convert(): prepared is already converted (a QuantizedModel); convert the PreparedModel "
                         "returned by prepare() once")
@@ -215,7 +217,7 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
     return QuantizedModel(model, adds, summary, fp32).eval()
 
 
-def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes):
+def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes, fuse_linears):
     from . import pt2e
 
     if not isinstance(prepared, PreparedModel):
@@ -223,6 +225,8 @@ def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shape
                         f"{type(prepared).__name__}")
     if inplace is not False:
         raise ValueError("convert(): inplace must be False with backend='pt2e' (the graph is a new module)")
+    if not isinstance(fuse_linears, bool):
+        raise TypeError(f"convert(): fuse_linears must be a bool, got {type(fuse_linears).__name__}")
     if example_inputs is None:
         raise TypeError("convert(): backend='pt2e' needs example_inputs (a tensor or a tuple of them) for "
                         "torch.export")
@@ -236,7 +240,7 @@ def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shape
     model, _ = copy_model(prepared.model)
     prepared._graph.remove_hooks(model)
     try:
-        return pt2e.lower(model.eval(), summary, args, dynamic_shapes, dynamic_dims)
+        return pt2e.lower(model.eval(), summary, args, dynamic_shapes, dynamic_dims, fuse_linears)
     except pt2e.LoweringError as e:
         pt2e.fallback_warning(str(e))
     return convert(prepared)

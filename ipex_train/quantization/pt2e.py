@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..inference.aoti import capture
+from ..inference.graph_passes import fuse_shared_input_linears
 
 _log = logging.getLogger("ipex_train")
 
@@ -51,10 +52,13 @@ class LoweringError(RuntimeError):
     """The summary cannot be lowered to a pt2e graph (capture failed, or a tensor has no summary entry)."""
 
 
-def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=None, dynamic_dims=None):
+def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=None, dynamic_dims=None,
+          fuse_linears=True):
     """The converted pt2e GraphModule of ``model`` (the prepared fp32 copy, hooks removed) with the summary's
     scales; LoweringError naming what failed. ``dynamic_dims`` None: the batch dynamic unless the summary
-    quantizes a convolution (export(backend="aoti") compiles such graphs for static shapes by default)."""
+    quantizes a convolution (export(backend="aoti") compiles such graphs for static shapes by default).
+    ``fuse_linears``: linears reading the same tensor with the same int8 input quantization (attention's Q/K/V)
+    become one int8 GEMM over the concatenated weights before the quantizer runs (see fuse_entries)."""
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -66,22 +70,55 @@ def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=Non
     if kept:
         _log.info("ipex_train.quantization.convert(backend='pt2e'): %s kept fp32 (one input channel: torch 2.14.1 "
                   "Inductor miscompiles such int8 convolutions for a dynamic batch)", ", ".join(kept))
+    entries = {e["name"]: e for e in summary}
     errors = []
     for strict in (True, False):  # strict first: non-strict capture breaks X86InductorQuantizer on reused modules
         try:
             ep = capture(model, args, dynamic_shapes=dynamic_shapes, dynamic_dims=dynamic_dims, strict=strict)
-            prepared = prepare_pt2e(ep.module(), _quantizer(summary, kept))
+            gm = ep.module()
+            fused = fuse_shared_input_linears(gm, functools.partial(_same_quantization, entries)) \
+                if fuse_linears else {}
+            prepared = prepare_pt2e(gm, _quantizer(summary, kept))
             break
         except Exception as e:  # noqa: BLE001 -- capture and annotation raise many types; each means "try the next"
             errors.append(str(e) if isinstance(e, RuntimeError) else f"prepare_pt2e (strict={strict}): "
                           f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     else:
         raise LoweringError("; ".join(errors))
-    _set_qparams(prepared, {e["name"]: e for e in summary})
+    if fused:
+        _log.info("ipex_train.quantization.convert(backend='pt2e'): %d groups of linears sharing their input fused "
+                  "into one int8 GEMM each", len(fused))
+    _set_qparams(prepared, {**entries, **fuse_entries(entries, fused, model)})
     converted = move_exported_model_to_eval(convert_pt2e(prepared))
     for m in converted.modules():  # captured from an eval model; the flag says so (exported modules refuse .eval())
         m.training = False
     return converted
+
+
+def _same_quantization(entries, names) -> bool:
+    """Whether the layers ``names`` may run as one GEMM: all in the summary, all int8 with the same input scale,
+    zero point and weight range, or all fp32."""
+    es = [entries.get(n) for n in names]
+    if any(e is None for e in es):
+        return False
+    if not all(all(e["inputs_quantized"]) for e in es):
+        return not any(all(e["inputs_quantized"]) for e in es)
+    key = {(tuple(e["input_scales"]), tuple(e["input_zero_points"]), tuple(e["weight_quant_range"])) for e in es}
+    return len(key) == 1
+
+
+def fuse_entries(entries: dict, fused: dict, model: nn.Module) -> dict:
+    """Summary entries of the fused layers: the first member's, with the members' weight scales concatenated per
+    output channel (a per-tensor scale repeated on each of its layer's channels), so every output channel keeps
+    the scale it had in its own layer. Fused fp32 layers have no weight scales."""
+    out = {}
+    for name, members in fused.items():
+        scales = []
+        for m in members:
+            s = entries[m]["weight_scales"][0] if entries[m]["weight_scales"] else []
+            scales += s * model.get_submodule(m).weight.shape[0] if len(s) == 1 else list(s)
+        out[name] = {**entries[members[0]], "name": name, "weight_scales": [scales] if scales else []}
+    return out
 
 
 def _quantizer(summary, kept_fp32):
