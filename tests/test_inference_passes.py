@@ -1,14 +1,16 @@
 """Graph passes of the export/int8 paths: linears sharing one input fused into one GEMM (exact in fp32, per-channel
 int8 scales kept), wired into export(backend="aoti") and convert(backend="pt2e") with a switch to turn it off."""
+import copy
 import json
 import math
+import zipfile
 
 import pytest
 import torch
 from torch import nn
 
 from ipex_train import inference, quantization
-from ipex_train.inference.graph_passes import fuse_shared_input_linears
+from ipex_train.inference.graph_passes import fuse_shared_input_linears, write_out_attention_softmax
 
 _LINEAR = torch.ops.aten.linear.default
 
@@ -44,10 +46,17 @@ def _linears(gm):
 
 
 def _count_in_package_graph(model, x, **config):
-    ep = inference.aoti.capture(model, (x,))
-    if config.get("fuse_linears", True):
-        ep = inference.aoti.fuse_linears(ep, (x,))
+    ep = inference.aoti.apply_passes(inference.aoti.capture(model, (x,)), (x,), inference.AOTIConfig(**config))
     return _linears(ep.graph_module), ep
+
+
+def _ops(gm, *targets):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+
+
+def _package_code(path):
+    with zipfile.ZipFile(path) as z:
+        return "".join(z.read(n).decode(errors="ignore") for n in z.namelist() if n.endswith(".cpp"))
 
 
 def test_fuse_shared_input_linears_is_exact_and_counts_gemms():
@@ -76,15 +85,44 @@ def test_fuse_respects_allow_and_leaves_computed_weights():
     assert _linears(gm) == 8
 
 
-def test_aoti_export_fuses_by_default_and_config_turns_it_off(tmp_path):
+def test_write_out_attention_softmax_matches_fp32_and_leaves_other_softmaxes():
+    model, x = _model(), torch.randn(3, 8, 32)
+    auto = torch.export.Dim.AUTO
+    gm = torch.export.export(model, (x,), dynamic_shapes=({0: auto, 1: auto},)).module()
+    softmax = (torch.ops.aten.softmax.int,)
+    assert _ops(gm, *softmax) == 2
+    assert write_out_attention_softmax(gm) == 2
+    assert _ops(gm, *softmax) == 0 and _ops(gm, torch.ops.aten.exp.default) == 2
+    with torch.no_grad():
+        for shape in ((3, 8, 32), (2, 13, 32)):
+            xi = torch.randn(shape)
+            torch.testing.assert_close(gm(xi), model(xi), atol=1e-5, rtol=1e-5)
+    # fp32 scores in a bf16 graph: the probabilities come back in bf16 for the second matmul
+    gm = torch.export.export(copy.deepcopy(model).bfloat16(), (x.bfloat16(),)).module()
+    assert write_out_attention_softmax(gm, scores_dtype=torch.float32) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x.bfloat16()).float(), model(x), atol=0.05, rtol=0.05)
+    # a softmax that is a model output (no matmul after it) is not attention
+    head = torch.export.export(nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1)), (torch.randn(2, 4),)).module()
+    assert write_out_attention_softmax(head) == 0
+
+
+def test_aoti_export_runs_the_passes_by_default_and_config_turns_them_off(tmp_path):
     model, x = _model(), torch.randn(2, 8, 32)
     fused, ep = _count_in_package_graph(model, x)
-    unfused, _ = _count_in_package_graph(model, x, fuse_linears=False)
+    unfused, plain = _count_in_package_graph(model, x, fuse_linears=False, write_out_softmax=False)
     assert (fused, unfused) == (6, 10)
+    assert _ops(ep.graph_module, torch.ops.aten.softmax.int) == 0
+    assert _ops(plain.graph_module, torch.ops.aten.softmax.int) == 2
     assert inference.aoti.dynamic_dims_of(ep) == ["input0[0]"]
-    with pytest.raises(TypeError, match="fuse_linears"):
-        inference.AOTIConfig(fuse_linears=1)
+    for name in ("fuse_linears", "write_out_softmax"):
+        with pytest.raises(TypeError, match=name):
+            inference.AOTIConfig(**{name: 1})
     path = inference.export(model, x, backend="aoti", path=tmp_path / "m.pt2")
+    off = inference.export(model, x, backend="aoti", path=tmp_path / "off.pt2",
+                           config=inference.AOTIConfig(write_out_softmax=False))
+    # Inductor turns the captured attention into its flash kernel; the written-out softmax keeps two GEMMs
+    assert "scaled_dot_product" not in _package_code(path) and "scaled_dot_product" in _package_code(off)
     package = torch._inductor.aoti_load_package(str(path))
     with torch.no_grad():
         for b in (1, 4):

@@ -26,6 +26,7 @@ for a dynamic batch); a static one that fails raises RuntimeError.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import traceback
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .graph_passes import fuse_shared_input_linears
+from .graph_passes import fuse_shared_input_linears, write_out_attention_softmax
 
 _log = logging.getLogger("ipex_train")
 
@@ -58,7 +59,11 @@ class AOTIConfig:
         freezing: Inductor's freezing (weights as constants, pre-packed for oneDNN); keep it on for inference.
         inductor_configs: further torch._inductor.config options for aoti_compile_and_package.
         fuse_linears: fuse linears that read the same tensor (attention's Q/K/V) into one GEMM over concatenated
-            weights, split after (graph_passes.fuse_shared_input_linears; exact). False keeps the graph as captured.
+            weights, split after (graph_passes.fuse_shared_input_linears; exact). False keeps them apart.
+        write_out_softmax: write attention's softmax (a last-dim softmax whose result multiplies V) out as
+            exp / sum (graph_passes.write_out_attention_softmax), so that Inductor keeps the two matmuls as oneDNN
+            batched GEMMs instead of replacing the block with its CPU flash attention kernel (slower at BERT
+            sizes). False leaves the softmax to Inductor.
     """
 
     dtype: torch.dtype = torch.float32
@@ -68,6 +73,7 @@ class AOTIConfig:
     freezing: bool = True
     inductor_configs: dict = field(default_factory=dict)
     fuse_linears: bool = True
+    write_out_softmax: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -75,7 +81,7 @@ class AOTIConfig:
         dims = self.dynamic_dims
         if dims is not None and (not isinstance(dims, tuple) or not all(type(d) is int and d >= 0 for d in dims)):
             raise TypeError(f"AOTIConfig: dynamic_dims must be None or a tuple of non-negative ints, got {dims!r}")
-        for name in ("strict", "freezing", "fuse_linears"):
+        for name in ("strict", "freezing", "fuse_linears", "write_out_softmax"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"AOTIConfig: {name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.inductor_configs, dict):
@@ -126,18 +132,19 @@ def _model_frame(error: BaseException) -> str:
     return f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
 
 
-def fuse_linears(ep, args, *, dynamic_shapes=None, dynamic_dims=(0,)):
-    """``ep`` with linears that share their input fused (graph_passes.fuse_shared_input_linears), re-captured
-    with the same dynamic shapes so that Inductor gets an ExportedProgram; ``ep`` itself when nothing fuses."""
+def apply_passes(ep, args, config: AOTIConfig, *, dynamic_dims=(0,)):
+    """``ep`` after the graph passes ``config`` asks for (graph_passes: linears sharing their input fused,
+    attention softmax written out), re-captured with the same dynamic shapes so that Inductor gets an
+    ExportedProgram; ``ep`` itself when no pass changed anything."""
     gm = ep.module()
-    fused = fuse_shared_input_linears(gm)
-    if not fused:
+    fused = fuse_shared_input_linears(gm) if config.fuse_linears else {}
+    softmaxes = write_out_attention_softmax(gm) if config.write_out_softmax else 0
+    if not fused and not softmaxes:
         return ep
-    _log.info("ipex_train.inference.export(backend='aoti'): fused %d groups of linears sharing their input (%s)",
-              len(fused), ", ".join(f"{k}: {len(v)}" for k, v in list(fused.items())[:3]) +
-              (", ..." if len(fused) > 3 else ""))
+    _log.info("ipex_train.inference.export(backend='aoti'): %d groups of linears sharing their input fused, %d "
+              "attention softmaxes written out", len(fused), softmaxes)
     # ep.module() takes the inputs positionally (also for _CastInputs, whose forward packs them in one tuple)
-    shapes = dynamic_shapes if dynamic_shapes is not None else dynamic_shapes_for(args, dynamic_dims)
+    shapes = config.dynamic_shapes if config.dynamic_shapes is not None else dynamic_shapes_for(args, dynamic_dims)
     with torch.no_grad():
         return torch.export.export(gm, tuple(args), dynamic_shapes=shapes, strict=False)
 
@@ -182,8 +189,7 @@ def export_package(model: nn.Module, args: tuple, path, config: AOTIConfig) -> s
                       "example's shapes (Inductor pre-packs their weights only for static shapes); "
                       "AOTIConfig(dynamic_dims=(0,)) for a dynamic batch")
     ep = capture(model, args, dynamic_shapes=config.dynamic_shapes, dynamic_dims=dynamic_dims, strict=config.strict)
-    if config.fuse_linears:
-        ep = fuse_linears(ep, args, dynamic_shapes=config.dynamic_shapes, dynamic_dims=dynamic_dims)
+    ep = apply_passes(ep, args, config, dynamic_dims=dynamic_dims)
     keep_inputs_unwritten(ep)
     dims = dynamic_dims_of(ep)
     _log.info("ipex_train.inference.export(backend='aoti'): dynamic input dims %s", ", ".join(dims) or "none")
@@ -199,8 +205,7 @@ def export_package(model: nn.Module, args: tuple, path, config: AOTIConfig) -> s
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         _log.warning(msg)
         ep = capture(model, args, dynamic_shapes=dynamic_shapes_for(args, ()), strict=config.strict)
-        if config.fuse_linears:
-            ep = fuse_linears(ep, args, dynamic_dims=())
+        ep = apply_passes(ep, args, dataclasses.replace(config, dynamic_shapes=None), dynamic_dims=())
         keep_inputs_unwritten(ep)
         with torch.no_grad():
             path = torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=options)

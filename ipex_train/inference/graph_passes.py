@@ -133,3 +133,58 @@ def _drop_unused_attrs(gm, targets):
     for target in targets - still:
         owner, _, leaf = target.rpartition(".")
         delattr(gm.get_submodule(owner) if owner else gm, leaf)
+
+
+_MATMULS = (torch.ops.aten.matmul.default, torch.ops.aten.bmm.default)
+_SOFTMAX = (torch.ops.aten.softmax.int, torch.ops.aten._softmax.default)
+
+
+def _attention_softmaxes(gm) -> list[torch.fx.Node]:
+    """Softmaxes over the last dim whose result is the left operand of a matmul (attention probabilities @ V)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _SOFTMAX:
+            continue
+        val = node.args[0].meta.get("val")
+        if val is None or node.args[1] not in (-1, val.dim() - 1):
+            continue
+        if node.target is torch.ops.aten.softmax.int and len(node.args) > 2 and node.args[2] is not None:
+            continue  # an explicit output dtype: left as written
+        if node.target is torch.ops.aten._softmax.default and node.args[2]:
+            continue  # half_to_float: left as written
+        if any(u.op == "call_function" and u.target in _MATMULS and u.args[0] is node for u in node.users):
+            found.append(node)
+    return found
+
+
+def write_out_attention_softmax(gm: torch.fx.GraphModule, scores_dtype: torch.dtype | None = None) -> int:
+    """Rewrite, in place, each softmax of attention scores (a last-dim softmax whose result is multiplied with V)
+    as exp(s - max(s)) * (1 / sum(exp(s - max(s)))); returns how many.
+
+    Why: Inductor recognises matmul -> scale -> softmax -> matmul and replaces it with its CPU flash attention
+    kernel, which on short sequences runs well below the bf16 GEMM roof; written out, the two matmuls stay oneDNN
+    batched GEMMs and Inductor fuses max, exp, sum and the product into one softmax kernel. ``scores_dtype``
+    (e.g. torch.float32) computes the softmax in that dtype and casts the probabilities back; None keeps the
+    scores' dtype (Inductor accumulates the sum in fp32 either way)."""
+    aten = torch.ops.aten
+    graph = gm.graph
+    nodes = _attention_softmaxes(gm)
+    for node in nodes:
+        scores = node.args[0]
+        dtype = scores.meta["val"].dtype
+        with graph.inserting_before(node):
+            s = scores if scores_dtype in (None, dtype) else graph.call_function(
+                aten._to_copy.default, (scores,), {"dtype": scores_dtype})
+            shifted = graph.call_function(aten.sub.Tensor, (s, graph.call_function(aten.amax.default,
+                                                                                     (s, [-1], True))))
+            e = graph.call_function(aten.exp.default, (shifted,))
+            p = graph.call_function(aten.mul.Tensor, (e, graph.call_function(
+                aten.reciprocal.default, (graph.call_function(aten.sum.dim_IntList, (e, [-1], True)),))))
+            if s is not scores:
+                p = graph.call_function(aten._to_copy.default, (p,), {"dtype": dtype})
+        p.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(p)
+        graph.erase_node(node)
+    if nodes:
+        gm.recompile()
+    return len(nodes)
