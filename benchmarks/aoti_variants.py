@@ -11,22 +11,26 @@ from ipex_train import inference, quantization
 _DIR = tempfile.mkdtemp(prefix="ipex_bench_aoti_")  # packages stay on disk while the process runs them
 
 
-def aoti(model, x, dtype):
-    """ipex_train.inference.export(backend="aoti") at ``dtype``, loaded back with torch alone (fp32 input)."""
-    path = os.path.join(_DIR, f"{id(model)}_{x.shape[0]}_{dtype}.pt2".replace("torch.", ""))
-    inference.export(model, x, backend="aoti", path=path, config=inference.AOTIConfig(dtype=dtype))
+def aoti(model, x, dtype, passes=True):
+    """ipex_train.inference.export(backend="aoti") at ``dtype``, loaded back with torch alone (fp32 input);
+    ``passes=False`` turns off its graph passes (Q/K/V fusion, written-out attention softmax)."""
+    path = os.path.join(_DIR, f"{id(model)}_{x.shape[0]}_{dtype}_{passes}.pt2".replace("torch.", ""))
+    inference.export(model, x, backend="aoti", path=path, config=inference.AOTIConfig(
+        dtype=dtype, fuse_linears=passes, write_out_softmax=passes))
     return torch._inductor.aoti_load_package(path)
 
 
-def int8_aoti(prepared, x, dynamic=False):
+def int8_aoti(prepared, x, dynamic=False, passes=True):
     """A calibrated ipex_train PreparedModel lowered with convert(backend="pt2e") and packaged with AOTInductor;
-    default dims (static for int8 convolutions), or the batch dynamic with ``dynamic``."""
+    default dims (static for int8 convolutions), or the batch dynamic with ``dynamic``; ``passes=False`` turns
+    off the graph passes (Q/K/V fusion in convert, written-out attention softmax in export)."""
     dims = (0,) if dynamic else None
-    graph = quantization.convert(prepared, backend="pt2e", example_inputs=x, dynamic_dims=dims)
+    graph = quantization.convert(prepared, backend="pt2e", example_inputs=x, dynamic_dims=dims, fuse_linears=passes)
     if not isinstance(graph, torch.fx.GraphModule):  # the fallback's warning says why
         raise TypeError(f"convert(backend='pt2e') fell back to the eager int8 model ({type(graph).__name__})")
-    path = os.path.join(_DIR, f"int8_{id(prepared)}_{x.shape[0]}_{dynamic}.pt2")
-    inference.export(graph, x, backend="aoti", path=path, config=inference.AOTIConfig(dynamic_dims=dims))
+    path = os.path.join(_DIR, f"int8_{id(prepared)}_{x.shape[0]}_{dynamic}_{passes}.pt2")
+    inference.export(graph, x, backend="aoti", path=path, config=inference.AOTIConfig(
+        dynamic_dims=dims, fuse_linears=passes, write_out_softmax=passes))
     return torch._inductor.aoti_load_package(path)
 
 

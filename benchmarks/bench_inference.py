@@ -15,6 +15,7 @@ fast path does not take), batch 1 and 16. Variants, all measured in the same run
 * compile: torch.compile (skipped with --quick: it takes minutes per model and batch here);
 * aoti_fp32, aoti_bf16: ipex_train.inference.export(backend="aoti") packages (torch.export + AOTInductor with
   freezing; bf16 weights/compute, fp32 input cast inside), loaded with torch._inductor.aoti_load_package;
+  aoti_bf16_nopasses: the bf16 package with export's graph passes off (no Q/K/V fusion, softmax left to Inductor);
   compile_fp32, compile_bf16: stock torch.compile with Inductor freezing (--compile, also with --quick).
 
 ``--models resnet50,bert_encoder,bert_style``, ``--batches 1,16`` and ``--variants`` pick a subset.
@@ -123,7 +124,8 @@ def _case(name, make, batch, args):
     builders = {"stock_jit": _stock_jit, "ipex_train": _ipex_train,
                 "ipex_train_bf16": lambda m, x: _ipex_train(m, x, torch.bfloat16),
                 "aoti_fp32": lambda m, x: aoti_variants.aoti(m, x, torch.float32),
-                "aoti_bf16": lambda m, x: aoti_variants.aoti(m, x, torch.bfloat16)}
+                "aoti_bf16": lambda m, x: aoti_variants.aoti(m, x, torch.bfloat16),
+                "aoti_bf16_nopasses": lambda m, x: aoti_variants.aoti(m, x, torch.bfloat16, passes=False)}
     if not args.quick:
         builders["compile"] = _compiled
     if args.compile:
