@@ -193,3 +193,17 @@ def test_int8_pt2e_does_not_fuse_layers_with_different_input_quantization(tmp_pa
     prepared.load_qconf_summary(str(tmp_path / "q.json"))
     graph = quantization.convert(prepared, backend="pt2e", example_inputs=x)
     assert _int8_linears(graph) == (7, 1)  # layer 0: q, v, out, gate int8 + key fp32; layer 1: qkv, out, gate
+
+
+def test_int8_fused_graph_packages_and_tracks_fp32(tmp_path):
+    model, x = _model(), torch.randn(2, 8, 32)
+    graph = quantization.convert(_prepared(model, x), backend="pt2e", example_inputs=x)
+    path = inference.export(graph, x, backend="aoti", path=tmp_path / "int8.pt2")
+    assert "scaled_dot_product" not in _package_code(path)
+    package = torch._inductor.aoti_load_package(str(path))
+    with torch.no_grad():
+        for b in (1, 3):
+            xi = torch.randn(b, 8, 32)
+            out = package(xi.clone())
+            assert _cos(out, model(xi)) > 0.999
+            torch.testing.assert_close(out, graph(xi), atol=0.05, rtol=0.05)
