@@ -8,6 +8,10 @@ inputs and cast them inside, as the TorchScript bf16 export does, and return bf1
 ipex_train.quantization.convert(prepared, backend="pt2e", ...) returns; Inductor lowers its quantize/dequantize
 pattern to oneDNN int8 kernels (qconv/qlinear with fused post-ops and residual adds).
 
+Graph passes (graph_passes.py), on the captured graph before Inductor compiles it, each with an AOTIConfig switch:
+linears sharing their input fused into one GEMM (attention's Q/K/V), and attention's softmax written out so that
+Inductor keeps the attention matmuls as oneDNN GEMMs instead of its CPU flash attention kernel.
+
 Dynamic shapes: by default dim 0 (the batch) of every tensor input is marked torch.export.Dim.AUTO: it stays
 dynamic unless the model specialises it (a reshape to a fixed batch, or an example of size 1, which torch.export
 always specialises). One exception, models with convolutions: they compile for the example's shapes, because

@@ -15,6 +15,8 @@ JSON still decides them. How the summary maps:
   keep their input's scale as ipex_train's eager kernels do;
 * input_scales/input_zero_points: tensors no quantized op produced (the model input, an add written in place
   or with outputs_quantized false), from the Conv/Linear that reads them.
+Before the quantizer runs, linears that read the same tensor with the same input scale (attention's Q/K/V) are
+fused into one (inference.graph_passes), the fused weight keeping each layer's per-channel scales (fuse_entries).
 Dims: by default the batch is dynamic, except when a convolution is quantized (static shapes, as
 export(backend="aoti") compiles such graphs by default: Inductor pre-packs int8 convolution weights only for a
 static input shape). Kept fp32 whatever the summary says, when dims are dynamic: convolutions with one input
