@@ -184,9 +184,10 @@ def _dynamic_shapes():
 
 
 def _verdict(ratio, spread):
+    # A shortfall inside the run's spread is still a shortfall: say so, as bench_int8 does.
     if ratio >= 1.0:
         return "PASS"
-    return "PASS (within noise)" if 1.0 - ratio <= spread else "FAIL"
+    return "FAIL (within noise)" if 1.0 - ratio <= spread else "FAIL"
 
 
 def run(args):
