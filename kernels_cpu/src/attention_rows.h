@@ -64,22 +64,13 @@ ITR_FN F exp_nonpositive(F x) {
   return poly * math::f32_from_bits((n_bits + 127u) << 23);  // t >= -127: the exponent field is >= 0
 }
 
-// A 32-bit integer hash (Chris Wellons' lowbias32): the dropout decision of column j of a row is a hash of the
-// row's two keys and j, so forward and backward (and any thread split) draw the same mask without storing it.
-template <class U>
-ITR_FN U hash32(U x) {
-  x = x ^ (x >> 16);
-  x = x * 0x7feb352du;
-  x = x ^ (x >> 15);
-  x = x * 0x846ca68bu;
-  return x ^ (x >> 16);
-}
-
 // Keep-scale of columns j.. of a row under dropout d: d.scale where kept, 0 where dropped.
 template <class A>
 ITR_FN typename A::T keep_scale(const Dropout& d, int64_t j) {
   using F = typename A::T;
-  const auto h = hash32(hash32(column_index<A>(j) ^ d.key0) + d.key1);
+  // The dropout decision of column j is a hash of the row's two keys and j (the state codec's finalizer), so
+  // forward and backward (and any thread split) draw the same mask without storing it.
+  const auto h = codec::fmix32(codec::fmix32(column_index<A>(j) ^ d.key0) + d.key1);
   return math::select((h >> 8) >= d.threshold, F(d.scale), F(0.0f));
 }
 
