@@ -567,6 +567,9 @@ def _ddp_worker(out: str) -> None:
     except TypeError as e:
         result["reprepare_error"] = str(e)
     torch.save(result, out)
+    # Both ranks past their last collective before either tears the process group down: a rank destroying it while
+    # the other's gloo work is still in flight aborted the process ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
