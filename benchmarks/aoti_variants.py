@@ -20,15 +20,17 @@ def aoti(model, x, dtype, passes=True):
     return torch._inductor.aoti_load_package(path)
 
 
-def int8_aoti(prepared, x, dynamic=False, passes=True):
+def int8_aoti(prepared, x, dynamic=False, passes=True, bf16_attention=False):
     """A calibrated ipex_train PreparedModel lowered with convert(backend="pt2e") and packaged with AOTInductor;
     default dims (static for int8 convolutions), or the batch dynamic with ``dynamic``; ``passes=False`` turns
-    off the graph passes (Q/K/V fusion in convert, written-out attention softmax in export)."""
+    off the graph passes (Q/K/V fusion in convert, written-out attention softmax in export); ``bf16_attention``
+    runs the attention matmuls in bf16 (convert's bf16_attention)."""
     dims = (0,) if dynamic else None
-    graph = quantization.convert(prepared, backend="pt2e", example_inputs=x, dynamic_dims=dims, fuse_linears=passes)
+    graph = quantization.convert(prepared, backend="pt2e", example_inputs=x, dynamic_dims=dims, fuse_linears=passes,
+                                 bf16_attention=bf16_attention)
     if not isinstance(graph, torch.fx.GraphModule):  # the fallback's warning says why
         raise TypeError(f"convert(backend='pt2e') fell back to the eager int8 model ({type(graph).__name__})")
-    path = os.path.join(_DIR, f"int8_{id(prepared)}_{x.shape[0]}_{dynamic}_{passes}.pt2")
+    path = os.path.join(_DIR, f"int8_{id(prepared)}_{x.shape[0]}_{dynamic}_{passes}_{bf16_attention}.pt2")
     inference.export(graph, x, backend="aoti", path=path, config=inference.AOTIConfig(
         dynamic_dims=dims, fuse_linears=passes, write_out_softmax=passes))
     return torch._inductor.aoti_load_package(path)

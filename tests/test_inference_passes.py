@@ -207,3 +207,38 @@ def test_int8_fused_graph_packages_and_tracks_fp32(tmp_path):
             out = package(xi.clone())
             assert _cos(out, model(xi)) > 0.999
             torch.testing.assert_close(out, graph(xi), atol=0.05, rtol=0.05)
+
+
+def _matmul_operand_dtypes(gm):
+    """Per attention matmul of a graph, the dtypes of its two operands (a cast's target dtype, else the tensor's)."""
+    def dtype(node):
+        return node.kwargs["dtype"] if node.target is torch.ops.aten._to_copy.default else node.meta["val"].dtype
+
+    return [tuple(dtype(a) for a in n.args[:2]) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten.matmul.default]
+
+
+def test_int8_pt2e_bf16_attention_runs_the_matmuls_in_bf16_and_tracks_fp32(tmp_path):
+    model, x = _model(), torch.randn(2, 8, 32)
+    prepared = _prepared(model, x)
+    default = quantization.convert(prepared, backend="pt2e", example_inputs=x)
+    off = quantization.convert(prepared, backend="pt2e", example_inputs=x, bf16_attention=False)
+    on = quantization.convert(prepared, backend="pt2e", example_inputs=x, bf16_attention=True)
+    assert off.code == default.code  # the switch off leaves pt2e's graph as it was
+    assert _matmul_operand_dtypes(off) == [(torch.float32, torch.float32)] * 4
+    assert _matmul_operand_dtypes(on) == [(torch.bfloat16, torch.bfloat16)] * 4  # Q K^T and P V of both layers
+    softmaxes = [n for n in on.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.softmax.int]
+    assert [n.args[0].meta["val"].dtype for n in softmaxes] == [torch.float32] * 2  # softmax stays fp32
+    with torch.no_grad():
+        for b in (2, 5):
+            xi = torch.randn(b, 8, 32)
+            ref, a, u = model(xi), on(xi), off(xi)
+            assert a.dtype == torch.float32
+            assert _cos(a, ref) > 0.999
+            torch.testing.assert_close(a, u, atol=0.05, rtol=0.05)
+    # export's softmax pass sees the attention through the bf16 cast of the probabilities
+    assert write_out_attention_softmax(on) == 2
+    with torch.no_grad():
+        assert _cos(on(x), model(x)) > 0.999
+    with pytest.raises(TypeError, match="bf16_attention"):
+        quantization.convert(prepared, backend="pt2e", example_inputs=x, bf16_attention=1)

@@ -137,6 +137,9 @@ def _drop_unused_attrs(gm, targets):
 
 _MATMULS = (torch.ops.aten.matmul.default, torch.ops.aten.bmm.default)
 _SOFTMAX = (torch.ops.aten.softmax.int, torch.ops.aten._softmax.default)
+_TO_COPY = torch.ops.aten._to_copy.default
+# Ops between the scores matmul and the softmax that attention code writes (scale, additive mask).
+_SCORE_OPS = (torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor)
 
 
 def _attention_softmaxes(gm) -> list[torch.fx.Node]:
@@ -152,9 +155,18 @@ def _attention_softmaxes(gm) -> list[torch.fx.Node]:
             continue  # an explicit output dtype: left as written
         if node.target is torch.ops.aten._softmax.default and node.args[2]:
             continue  # half_to_float: left as written
-        if any(u.op == "call_function" and u.target in _MATMULS and u.args[0] is node for u in node.users):
+        if any(_left_of_matmul(node, u) for u in node.users):
             found.append(node)
     return found
+
+
+def _left_of_matmul(node, user) -> bool:
+    """Whether ``user`` multiplies ``node`` from the left, directly or through one dtype cast of it."""
+    if user.op != "call_function":
+        return False
+    if user.target is _TO_COPY and set(user.kwargs) == {"dtype"}:
+        return any(_left_of_matmul(user, u) for u in user.users)
+    return user.target in _MATMULS and user.args[0] is node
 
 
 def write_out_attention_softmax(gm: torch.fx.GraphModule, scores_dtype: torch.dtype | None = None) -> int:
@@ -188,3 +200,38 @@ def write_out_attention_softmax(gm: torch.fx.GraphModule, scores_dtype: torch.dt
     if nodes:
         gm.recompile()
     return len(nodes)
+
+
+def _scores_matmul(node):
+    """The matmul that computed the attention scores ``node``, through scaling and masking; or None."""
+    while node.op == "call_function" and node.target in _SCORE_OPS:
+        node = node.args[0]
+    return node if node.op == "call_function" and node.target in _MATMULS else None
+
+
+def attention_matmuls_in(gm: torch.fx.GraphModule, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Run, in place, the two fp32 batched matmuls of each attention (scores = Q K^T and context = P V, around a
+    softmax found as write_out_attention_softmax finds it) in ``dtype``: their operands cast to ``dtype``, their
+    results cast back to fp32, so the softmax still computes in fp32 and what follows (an int8 graph's next
+    quantize) sees fp32 as before. Returns how many matmuls were rewritten.
+
+    Why: an int8 (pt2e) graph keeps attention in fp32; in bf16 the matmuls run at the bf16 GEMM rate and Inductor
+    fuses the casts into the neighbouring pointwise kernels."""
+    graph = gm.graph
+    matmuls = []
+    for softmax in _attention_softmaxes(gm):
+        context = [u for u in softmax.users if u.op == "call_function" and u.target in _MATMULS
+                   and u.args[0] is softmax]
+        matmuls += [m for m in (_scores_matmul(softmax.args[0]), *context) if m is not None and m not in matmuls]
+    matmuls = [m for m in matmuls if m.meta.get("val") is not None and m.meta["val"].dtype == torch.float32]
+    for mm in matmuls:
+        with graph.inserting_before(mm):
+            mm.args = tuple(graph.call_function(_TO_COPY, (a,), {"dtype": dtype}) for a in mm.args[:2])
+        with graph.inserting_after(mm):
+            back = graph.call_function(_TO_COPY, (mm,), {"dtype": torch.float32})
+        back.meta["val"] = mm.meta["val"]
+        for user in [u for u in mm.users if u is not back]:
+            user.replace_input_with(mm, back)
+    if matmuls:
+        gm.recompile()
+    return len(matmuls)

@@ -141,7 +141,7 @@ def prepare(model, qconfig=default_static_qconfig, example_inputs=None, inplace=
 
 
 def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dynamic_dims=None,
-            dynamic_shapes=None, fuse_linears=True):
+            dynamic_shapes=None, fuse_linears=True, bf16_attention=False):
     """Build the int8 model from a calibrated (or summary-loaded) PreparedModel.
 
     backend="eager" (default): Conv/Linear ops whose summary entry has every input quantized become torch quantized
@@ -158,9 +158,10 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
     ipex_train.inference.export(..., backend="aoti", path=...) using the same dynamic dims (its default follows
     the same rule). ``fuse_linears`` (pt2e only; default True): linears that read the same tensor with the same
     input scale (attention's Q/K/V) become one int8 GEMM over the concatenated weights, each output channel keeping
-    its own weight scale; False keeps one GEMM per layer. When torch.export cannot capture the model (or the
-    quantizer annotates a tensor no summary entry describes) it warns, naming what failed, and returns the eager
-    int8 model instead. ``inplace`` must be False.
+    its own weight scale; False keeps one GEMM per layer. ``bf16_attention`` (pt2e only; default False): the
+    attention's two batched matmuls (Q K^T, P V), which pt2e leaves in fp32, run in bf16 (softmax in fp32).
+    When torch.export cannot capture the model (or the quantizer annotates a tensor no summary entry describes) it
+    warns, naming what failed, and returns the eager int8 model instead. ``inplace`` must be False.
 
     The summary passes the same check as load_qconf_summary (ValueError naming the op and key, nothing changed),
     so a calibration that produced a scale the int8 kernels cannot use is refused here, not turned into NaNs.
@@ -168,7 +169,8 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
     if backend not in ("eager", "pt2e"):
         raise ValueError(f"convert(): backend must be 'eager' or 'pt2e', got {backend!r}")
     if backend == "pt2e":
-        return _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes, fuse_linears)
+        return _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes, fuse_linears,
+                             bf16_attention)
     if isinstance(prepared, QuantizedModel):
         raise TypeError("convert(): prepared is already converted (a QuantizedModel); convert the PreparedModel "
                         "returned by prepare() once")
@@ -217,7 +219,7 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
     return QuantizedModel(model, adds, summary, fp32).eval()
 
 
-def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes, fuse_linears):
+def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes, fuse_linears, bf16_attention):
     from . import pt2e
 
     if not isinstance(prepared, PreparedModel):
@@ -225,8 +227,9 @@ def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shape
                         f"{type(prepared).__name__}")
     if inplace is not False:
         raise ValueError("convert(): inplace must be False with backend='pt2e' (the graph is a new module)")
-    if not isinstance(fuse_linears, bool):
-        raise TypeError(f"convert(): fuse_linears must be a bool, got {type(fuse_linears).__name__}")
+    for name, flag in (("fuse_linears", fuse_linears), ("bf16_attention", bf16_attention)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"convert(): {name} must be a bool, got {type(flag).__name__}")
     if example_inputs is None:
         raise TypeError("convert(): backend='pt2e' needs example_inputs (a tensor or a tuple of them) for "
                         "torch.export")
@@ -240,7 +243,8 @@ def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shape
     model, _ = copy_model(prepared.model)
     prepared._graph.remove_hooks(model)
     try:
-        return pt2e.lower(model.eval(), summary, args, dynamic_shapes, dynamic_dims, fuse_linears)
+        return pt2e.lower(model.eval(), summary, args, dynamic_shapes, dynamic_dims, fuse_linears,
+                          bf16_attention)
     except pt2e.LoweringError as e:
         pt2e.fallback_warning(str(e))
     return convert(prepared)

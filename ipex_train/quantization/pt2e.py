@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..inference.aoti import capture
-from ..inference.graph_passes import fuse_shared_input_linears
+from ..inference.graph_passes import attention_matmuls_in, fuse_shared_input_linears
 
 _log = logging.getLogger("ipex_train")
 
@@ -55,12 +55,14 @@ class LoweringError(RuntimeError):
 
 
 def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=None, dynamic_dims=None,
-          fuse_linears=True):
+          fuse_linears=True, bf16_attention=False):
     """The converted pt2e GraphModule of ``model`` (the prepared fp32 copy, hooks removed) with the summary's
     scales; LoweringError naming what failed. ``dynamic_dims`` None: the batch dynamic unless the summary
     quantizes a convolution (export(backend="aoti") compiles such graphs for static shapes by default).
     ``fuse_linears``: linears reading the same tensor with the same int8 input quantization (attention's Q/K/V)
-    become one int8 GEMM over the concatenated weights before the quantizer runs (see fuse_entries)."""
+    become one int8 GEMM over the concatenated weights before the quantizer runs (see fuse_entries).
+    ``bf16_attention``: the attention's two fp32 batched matmuls (scores, context) run in bf16 in the converted
+    graph, the softmax in fp32 (graph_passes.attention_matmuls_in)."""
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -92,6 +94,9 @@ def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=Non
                   "into one int8 GEMM each", len(fused))
     _set_qparams(prepared, {**entries, **fuse_entries(entries, fused, model)})
     converted = move_exported_model_to_eval(convert_pt2e(prepared))
+    if bf16_attention:
+        _log.info("ipex_train.quantization.convert(backend='pt2e'): %d attention matmuls run in bf16",
+                  attention_matmuls_in(converted))
     for m in converted.modules():  # captured from an eval model; the flag says so (exported modules refuse .eval())
         m.training = False
     return converted
