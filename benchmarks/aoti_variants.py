@@ -20,11 +20,11 @@ def aoti(model, x, dtype, passes=True):
     return torch._inductor.aoti_load_package(path)
 
 
-def int8_aoti(prepared, x, dynamic=False, passes=True, bf16_attention=False):
+def int8_aoti(prepared, x, dynamic=False, passes=True, bf16_attention=True):
     """A calibrated ipex_train PreparedModel lowered with convert(backend="pt2e") and packaged with AOTInductor;
     default dims (static for int8 convolutions), or the batch dynamic with ``dynamic``; ``passes=False`` turns
-    off the graph passes (Q/K/V fusion in convert, written-out attention softmax in export); ``bf16_attention``
-    runs the attention matmuls in bf16 (convert's bf16_attention)."""
+    off the graph passes (Q/K/V fusion in convert, written-out attention softmax in export); ``bf16_attention=False``
+    keeps the attention matmuls in fp32 (convert's bf16_attention)."""
     dims = (0,) if dynamic else None
     graph = quantization.convert(prepared, backend="pt2e", example_inputs=x, dynamic_dims=dims, fuse_linears=passes,
                                  bf16_attention=bf16_attention)

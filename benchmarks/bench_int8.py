@@ -18,8 +18,8 @@ BERT-style encoder (BertStyleEncoder below: d_model 768, 12 heads, FFN 3072, seq
   torch._inductor.aoti_load_package;
 * int8_aoti_nopasses: int8_aoti with the graph passes off (one int8 GEMM per Q/K/V projection in convert, the
   attention softmax left to Inductor in export): what the passes gain, in the same run;
-* int8_aoti_bf16attn: int8_aoti with the attention's two batched matmuls in bf16 (convert's bf16_attention;
-  pt2e keeps them in fp32), softmax in fp32;
+* int8_aoti_fp32attn: int8_aoti with the attention's two batched matmuls left in fp32 as pt2e has them
+  (convert's bf16_attention=False; by default they run in bf16, softmax in fp32);
 * int8_aoti_dynamic: the same with the batch dynamic (dynamic_dims=(0,) in convert and AOTIConfig; batch > 1);
 * pt2e_compile: stock torchao pt2e (strict torch.export, X86InductorQuantizer, the same 2 calibration batches,
   convert_pt2e) under torch.compile with freezing (which specialises on the timed batch size).
@@ -178,8 +178,8 @@ def _case(name, model, built, build_s, skipped, calib, shape, batch, args):
         if "prepared" in built:
             tracers["int8_aoti"] = lambda: aoti_variants.int8_aoti(built["prepared"], x)
             tracers["int8_aoti_nopasses"] = lambda: aoti_variants.int8_aoti(built["prepared"], x, passes=False)
-            tracers["int8_aoti_bf16attn"] = lambda: aoti_variants.int8_aoti(built["prepared"], x,
-                                                                             bf16_attention=True)
+            tracers["int8_aoti_fp32attn"] = lambda: aoti_variants.int8_aoti(built["prepared"], x,
+                                                                             bf16_attention=False)
             if batch > 1:  # torch.export specialises a batch of 1
                 tracers["int8_aoti_dynamic"] = lambda: aoti_variants.int8_aoti(built["prepared"], x, dynamic=True)
     if args.variants:
@@ -212,14 +212,14 @@ def _case(name, model, built, build_s, skipped, calib, shape, batch, args):
                        "vs_eager": _paired(per_round, "eager", v)["ratio"], "build_s": build_s.get(v),
                        "cosine": cos[v]}
     ratios = {}
-    for ours in ("int8", "int8_jit", "int8_aoti", "int8_aoti_dynamic", "int8_aoti_nopasses", "int8_aoti_bf16attn"):
+    for ours in ("int8", "int8_jit", "int8_aoti", "int8_aoti_dynamic", "int8_aoti_nopasses", "int8_aoti_fp32attn"):
         if ours not in per_round:
             continue
         r = {"vs_fp32_export": _paired(per_round, "fp32_export", ours)}
         # Like with like: the traced model against the traced stock models, the eager one against stock eager.
         like = {"int8_jit": ("fx_x86", "fx_onednn"), "int8": ("fx_onednn_eager",), "int8_aoti": ("pt2e_compile",),
                 "int8_aoti_dynamic": ("pt2e_compile",), "int8_aoti_nopasses": ("pt2e_compile",),
-                "int8_aoti_bf16attn": ("pt2e_compile",)}
+                "int8_aoti_fp32attn": ("pt2e_compile",)}
         stock = [s for s in like[ours] if s in per_round]
         if stock:
             best = min(stock, key=lambda s: times[s])
@@ -291,7 +291,7 @@ def run(args):
             if "vs_best_stock" in r:
                 kind = {"int8_jit": "traced", "int8": "eager", "int8_aoti": "Inductor",
                         "int8_aoti_dynamic": "Inductor", "int8_aoti_nopasses": "Inductor",
-                        "int8_aoti_bf16attn": "Inductor"}[ours]
+                        "int8_aoti_fp32attn": "Inductor"}[ours]
                 targets.append(_target(f"{label}: {ours} >= best stock int8, {kind} "
                                        f"({r['vs_best_stock']['stock']})", r["vs_best_stock"], 1.0))
             if case["model"] == "resnet50" and case["batch"] == 16:

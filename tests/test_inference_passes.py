@@ -224,7 +224,9 @@ def test_int8_pt2e_bf16_attention_runs_the_matmuls_in_bf16_and_tracks_fp32(tmp_p
     default = quantization.convert(prepared, backend="pt2e", example_inputs=x)
     off = quantization.convert(prepared, backend="pt2e", example_inputs=x, bf16_attention=False)
     on = quantization.convert(prepared, backend="pt2e", example_inputs=x, bf16_attention=True)
-    assert off.code == default.code  # the switch off leaves pt2e's graph as it was
+    assert on.code == default.code  # on by default
+    # the switch off leaves pt2e's graph as it was: no bf16 anywhere, fp32 matmuls
+    assert not [n for n in off.graph.nodes if n.kwargs.get("dtype") == torch.bfloat16]
     assert _matmul_operand_dtypes(off) == [(torch.float32, torch.float32)] * 4
     assert _matmul_operand_dtypes(on) == [(torch.bfloat16, torch.bfloat16)] * 4  # Q K^T and P V of both layers
     softmaxes = [n for n in on.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.softmax.int]

@@ -141,7 +141,7 @@ def prepare(model, qconfig=default_static_qconfig, example_inputs=None, inplace=
 
 
 def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dynamic_dims=None,
-            dynamic_shapes=None, fuse_linears=True, bf16_attention=False):
+            dynamic_shapes=None, fuse_linears=True, bf16_attention=True):
     """Build the int8 model from a calibrated (or summary-loaded) PreparedModel.
 
     backend="eager" (default): Conv/Linear ops whose summary entry has every input quantized become torch quantized
@@ -158,8 +158,9 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
     ipex_train.inference.export(..., backend="aoti", path=...) using the same dynamic dims (its default follows
     the same rule). ``fuse_linears`` (pt2e only; default True): linears that read the same tensor with the same
     input scale (attention's Q/K/V) become one int8 GEMM over the concatenated weights, each output channel keeping
-    its own weight scale; False keeps one GEMM per layer. ``bf16_attention`` (pt2e only; default False): the
-    attention's two batched matmuls (Q K^T, P V), which pt2e leaves in fp32, run in bf16 (softmax in fp32).
+    its own weight scale; False keeps one GEMM per layer. ``bf16_attention`` (pt2e only; default True): the
+    attention's two batched matmuls (Q K^T, P V), which pt2e leaves in fp32, run in bf16 (softmax in fp32);
+    False keeps them fp32.
     When torch.export cannot capture the model (or the quantizer annotates a tensor no summary entry describes) it
     warns, naming what failed, and returns the eager int8 model instead. ``inplace`` must be False.
 

@@ -55,7 +55,7 @@ class LoweringError(RuntimeError):
 
 
 def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=None, dynamic_dims=None,
-          fuse_linears=True, bf16_attention=False):
+          fuse_linears=True, bf16_attention=True):
     """The converted pt2e GraphModule of ``model`` (the prepared fp32 copy, hooks removed) with the summary's
     scales; LoweringError naming what failed. ``dynamic_dims`` None: the batch dynamic unless the summary
     quantizes a convolution (export(backend="aoti") compiles such graphs for static shapes by default).
