@@ -17,7 +17,8 @@ BERT-style encoder (BertStyleEncoder below: d_model 768, 12 heads, FFN 3072, seq
   (ResNet-50: static shapes, as for every int8 graph with convolutions; the encoder: dynamic batch), loaded with
   torch._inductor.aoti_load_package;
 * int8_aoti_nopasses: int8_aoti with the graph passes off (one int8 GEMM per Q/K/V projection in convert, the
-  attention softmax left to Inductor in export): what the passes gain, in the same run;
+  attention softmax left to Inductor in export; the attention matmuls stay bf16): what the passes gain, in the
+  same run;
 * int8_aoti_fp32attn: int8_aoti with the attention's two batched matmuls left in fp32 as pt2e has them
   (convert's bf16_attention=False; by default they run in bf16, softmax in fp32);
 * int8_aoti_dynamic: the same with the batch dynamic (dynamic_dims=(0,) in convert and AOTIConfig; batch > 1);
