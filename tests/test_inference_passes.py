@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ipex_train import inference, quantization
+from ipex_train import compute_policy, inference, quantization
 from ipex_train.inference.graph_passes import fuse_shared_input_linears, write_out_attention_softmax
 
 _LINEAR = torch.ops.aten.linear.default
@@ -218,13 +218,24 @@ def _matmul_operand_dtypes(gm):
             if n.op == "call_function" and n.target is torch.ops.aten.matmul.default]
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_int8_pt2e_bf16_attention_default_follows_the_cpu(native, monkeypatch):
+    model, x = _model(), torch.randn(2, 8, 32)
+    prepared = _prepared(model, x)
+    monkeypatch.setattr(compute_policy, "cpu_has_native_bf16", lambda features=None: native)
+    default = quantization.convert(prepared, backend="pt2e", example_inputs=x)
+    want = [(torch.bfloat16, torch.bfloat16) if native else (torch.float32, torch.float32)] * 4
+    assert _matmul_operand_dtypes(default) == want
+
+
 def test_int8_pt2e_bf16_attention_runs_the_matmuls_in_bf16_and_tracks_fp32(tmp_path):
     model, x = _model(), torch.randn(2, 8, 32)
     prepared = _prepared(model, x)
     default = quantization.convert(prepared, backend="pt2e", example_inputs=x)
     off = quantization.convert(prepared, backend="pt2e", example_inputs=x, bf16_attention=False)
     on = quantization.convert(prepared, backend="pt2e", example_inputs=x, bf16_attention=True)
-    assert on.code == default.code  # on by default
+    # The default follows the CPU: bf16 matmuls where it has bf16 arithmetic, fp32 ones elsewhere.
+    assert default.code == (on if compute_policy.cpu_has_native_bf16() else off).code
     # the switch off leaves pt2e's graph as it was: no bf16 anywhere, fp32 matmuls
     assert not [n for n in off.graph.nodes if n.kwargs.get("dtype") == torch.bfloat16]
     assert _matmul_operand_dtypes(off) == [(torch.float32, torch.float32)] * 4

@@ -141,7 +141,7 @@ def prepare(model, qconfig=default_static_qconfig, example_inputs=None, inplace=
 
 
 def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dynamic_dims=None,
-            dynamic_shapes=None, fuse_linears=True, bf16_attention=True):
+            dynamic_shapes=None, fuse_linears=True, bf16_attention=None):
     """Build the int8 model from a calibrated (or summary-loaded) PreparedModel.
 
     backend="eager" (default): Conv/Linear ops whose summary entry has every input quantized become torch quantized
@@ -158,9 +158,11 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
     ipex_train.inference.export(..., backend="aoti", path=...) using the same dynamic dims (its default follows
     the same rule). ``fuse_linears`` (pt2e only; default True): linears that read the same tensor with the same
     input scale (attention's Q/K/V) become one int8 GEMM over the concatenated weights, each output channel keeping
-    its own weight scale; False keeps one GEMM per layer. ``bf16_attention`` (pt2e only; default True): the
+    its own weight scale; False keeps one GEMM per layer. ``bf16_attention`` (pt2e only): the
     attention's two batched matmuls (Q K^T, P V), which pt2e leaves in fp32, run in bf16 (softmax in fp32);
-    False keeps them fp32.
+    False keeps them fp32; None (default): True on a CPU with bf16 arithmetic (avx512_bf16, AMX, avx_ne_convert),
+    False elsewhere, where bf16 matmuls are slower than fp32 ones (decided where convert runs: pass it explicitly
+    for a package built on one machine and served on another).
     When torch.export cannot capture the model (or the quantizer annotates a tensor no summary entry describes) it
     warns, naming what failed, and returns the eager int8 model instead. ``inplace`` must be False.
 
@@ -228,9 +230,14 @@ def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shape
                         f"{type(prepared).__name__}")
     if inplace is not False:
         raise ValueError("convert(): inplace must be False with backend='pt2e' (the graph is a new module)")
-    for name, flag in (("fuse_linears", fuse_linears), ("bf16_attention", bf16_attention)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"convert(): {name} must be a bool, got {type(flag).__name__}")
+    if not isinstance(fuse_linears, bool):
+        raise TypeError(f"convert(): fuse_linears must be a bool, got {type(fuse_linears).__name__}")
+    if bf16_attention is None:
+        from .. import compute_policy
+
+        bf16_attention = compute_policy.cpu_has_native_bf16()
+    elif not isinstance(bf16_attention, bool):
+        raise TypeError(f"convert(): bf16_attention must be a bool or None, got {type(bf16_attention).__name__}")
     if example_inputs is None:
         raise TypeError("convert(): backend='pt2e' needs example_inputs (a tensor or a tuple of them) for "
                         "torch.export")
