@@ -19,6 +19,16 @@ def quantize(model, example, calib, qconfig=q.default_static_qconfig):
     return prepared, q.convert(prepared)
 
 
+def calibrated(model, x, batches=3, seed=3):
+    """``model`` prepared on example ``x`` and calibrated on ``batches`` random batches of its shape."""
+    prepared = q.prepare(model, example_inputs=x)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(batches):
+            prepared(torch.randn(x.shape, generator=g))
+    return prepared
+
+
 def int8_layers(quantized):
     return [m for m in quantized.modules() if isinstance(m, Int8Layer)]
 

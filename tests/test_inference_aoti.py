@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+from int8_helpers import calibrated
 from torch import nn
 
 from ipex_train import inference, quantization
@@ -99,18 +100,9 @@ def test_encoder_package_with_dynamic_batch_and_sequence(tmp_path, caplog):
             torch.testing.assert_close(out, model(ids), atol=1e-4, rtol=1e-4)
 
 
-def _prepared(model, x):
-    prepared = quantization.prepare(model, example_inputs=x)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for _ in range(3):
-            prepared(torch.randn(x.shape, generator=g))
-    return prepared
-
-
 def test_int8_package_loads_fresh_and_tracks_fp32(tmp_path):
     model, x = _cnn(), torch.randn(2, 3, 12, 12)
-    graph = quantization.convert(_prepared(model, x), backend="pt2e", example_inputs=x, dynamic_dims=(0,))
+    graph = quantization.convert(calibrated(model, x), backend="pt2e", example_inputs=x, dynamic_dims=(0,))
     assert isinstance(graph, torch.fx.GraphModule)
     path = inference.export(graph, x, backend="aoti", path=tmp_path / "int8.pt2",
                             config=inference.AOTIConfig(dynamic_dims=(0,)))
@@ -126,7 +118,7 @@ def test_int8_conv_graph_defaults_to_static_shapes(tmp_path, caplog):
     """A model with convolutions (here an int8 graph) compiles for the example's batch by default (Inductor
     pre-packs convolution weights only for a static input shape); without convolutions the batch stays dynamic."""
     model, x = _cnn(), torch.randn(2, 3, 12, 12)
-    prepared = _prepared(model, x)
+    prepared = calibrated(model, x)
     graph = quantization.convert(prepared, backend="pt2e", example_inputs=x)
     (placeholder,) = [n for n in graph.graph.nodes if n.op == "placeholder"]
     assert tuple(placeholder.meta["val"].shape) == (2, 3, 12, 12)  # no symbolic batch in the captured graph
@@ -142,7 +134,7 @@ def test_int8_conv_graph_defaults_to_static_shapes(tmp_path, caplog):
     assert inference.aoti.default_dynamic_dims(model) == ()
     torch.manual_seed(0)
     mlp, xm = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), torch.randn(3, 8)
-    mlp_graph = quantization.convert(_prepared(mlp, xm), backend="pt2e", example_inputs=xm)
+    mlp_graph = quantization.convert(calibrated(mlp, xm), backend="pt2e", example_inputs=xm)
     assert any("quantize_per" in str(n.target) for n in mlp_graph.graph.nodes)
     assert inference.aoti.default_dynamic_dims(mlp_graph) == inference.aoti.default_dynamic_dims(mlp) == (0,)
 
@@ -155,7 +147,7 @@ def test_int8_one_input_channel_conv_package_keeps_dynamic_batch(tmp_path, caplo
                           nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)).eval()
     x = torch.randn(8, 1, 8, 8)
     with caplog.at_level("INFO", logger="ipex_train"):
-        graph = quantization.convert(_prepared(model, x), backend="pt2e", example_inputs=x, dynamic_dims=(0,))
+        graph = quantization.convert(calibrated(model, x), backend="pt2e", example_inputs=x, dynamic_dims=(0,))
     assert "0 kept fp32 (one input channel" in caplog.text
     path = inference.export(graph, x, backend="aoti", path=tmp_path / "one.pt2",
                             config=inference.AOTIConfig(dynamic_dims=(0,)))
@@ -172,7 +164,7 @@ def _graph_state(graph):
 
 def test_int8_json_round_trip_gives_the_identical_graph_and_json_decides_scales(tmp_path):
     model, x = _cnn(), torch.randn(2, 3, 12, 12)
-    prepared = _prepared(model, x)
+    prepared = calibrated(model, x)
     prepared.save_qconf_summary(tmp_path / "q.json")
     code, state = _graph_state(quantization.convert(prepared, backend="pt2e", example_inputs=x))
     fresh = quantization.prepare(model, example_inputs=x)
@@ -193,7 +185,7 @@ def test_int8_json_round_trip_gives_the_identical_graph_and_json_decides_scales(
 
 def test_int8_layer_kept_fp32_by_the_json_has_no_quantize(tmp_path):
     model, x = _cnn(), torch.randn(2, 3, 12, 12)
-    prepared = _prepared(model, x)
+    prepared = calibrated(model, x)
     prepared.save_qconf_summary(tmp_path / "q.json")
     summary = json.loads((tmp_path / "q.json").read_text())
     for e in summary:
@@ -221,7 +213,7 @@ class _Branchy(nn.Module):
 
 def test_int8_pt2e_falls_back_to_eager_naming_the_failure(caplog):
     model, x = _Branchy().eval(), torch.randn(2, 3, 8, 8)
-    prepared = _prepared(model, x)
+    prepared = calibrated(model, x)
     with pytest.warns(RuntimeWarning, match=r"torch\.export \(strict=True\) could not capture.*eager int8 model"):
         result = quantization.convert(prepared, backend="pt2e", example_inputs=x)
     assert isinstance(result, quantization.QuantizedModel)
@@ -246,7 +238,7 @@ def test_aoti_export_errors_change_nothing(tmp_path):
     with pytest.raises(RuntimeError, match=r"torch\.export \(strict=False\) could not capture _Branchy"):
         inference.export(_Branchy().eval(), torch.randn(2, 3, 8, 8), backend="aoti", path=tmp_path / "b.pt2")
     with pytest.raises(TypeError, match="needs example_inputs"):
-        quantization.convert(_prepared(_cnn(), x), backend="pt2e")
+        quantization.convert(calibrated(_cnn(), x), backend="pt2e")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not list(tmp_path.iterdir())
 
@@ -268,7 +260,7 @@ def test_int8_package_leaves_its_input_unchanged(tmp_path):
     with the model input there, the compiled code would write into the caller's tensor: export copies it."""
     torch.manual_seed(0)
     model, x = _InputResidual().eval(), torch.randn(4, 8, 16)
-    graph = quantization.convert(_prepared(model, x), backend="pt2e", example_inputs=x)
+    graph = quantization.convert(calibrated(model, x), backend="pt2e", example_inputs=x)
     path = inference.export(graph, x, backend="aoti", path=tmp_path / "res.pt2")
     package = torch._inductor.aoti_load_package(str(path))
     for xi in (x, torch.randn(2, 8, 16)):  # batch dynamic

@@ -7,6 +7,7 @@ import zipfile
 
 import pytest
 import torch
+from int8_helpers import calibrated
 from torch import nn
 
 from ipex_train import compute_policy, inference, quantization
@@ -142,15 +143,6 @@ def test_aoti_bf16_export_fuses_and_tracks_fp32(tmp_path):
     torch.testing.assert_close(out.float(), ref, atol=0.03, rtol=0.05)
 
 
-def _prepared(model, x):
-    prepared = quantization.prepare(model, example_inputs=x)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for _ in range(3):
-            prepared(torch.randn(x.shape, generator=g))
-    return prepared
-
-
 def _cos(a, b):
     return nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
@@ -164,7 +156,7 @@ def _int8_linears(gm):
 
 def test_int8_pt2e_fuses_qkv_with_per_channel_scales_and_tracks_fp32():
     model, x = _model(), torch.randn(2, 8, 32)
-    prepared = _prepared(model, x)
+    prepared = calibrated(model, x)
     fused = quantization.convert(prepared, backend="pt2e", example_inputs=x)
     unfused = quantization.convert(prepared, backend="pt2e", example_inputs=x, fuse_linears=False)
     assert _int8_linears(fused) == (6, 0) and _int8_linears(unfused) == (10, 0)
@@ -184,7 +176,7 @@ def test_int8_pt2e_fuses_qkv_with_per_channel_scales_and_tracks_fp32():
 
 def test_int8_pt2e_does_not_fuse_layers_with_different_input_quantization(tmp_path):
     model, x = _model(), torch.randn(2, 8, 32)
-    prepared = _prepared(model, x)
+    prepared = calibrated(model, x)
     summary = prepared.qconf_summary()
     for e in summary:
         if e["name"] == "0.key":
@@ -197,7 +189,7 @@ def test_int8_pt2e_does_not_fuse_layers_with_different_input_quantization(tmp_pa
 
 def test_int8_fused_graph_packages_and_tracks_fp32(tmp_path):
     model, x = _model(), torch.randn(2, 8, 32)
-    graph = quantization.convert(_prepared(model, x), backend="pt2e", example_inputs=x)
+    graph = quantization.convert(calibrated(model, x), backend="pt2e", example_inputs=x)
     path = inference.export(graph, x, backend="aoti", path=tmp_path / "int8.pt2")
     assert "scaled_dot_product" not in _package_code(path)
     package = torch._inductor.aoti_load_package(str(path))
@@ -221,7 +213,7 @@ def _matmul_operand_dtypes(gm):
 @pytest.mark.parametrize("native", [True, False])
 def test_int8_pt2e_bf16_attention_default_follows_the_cpu(native, monkeypatch):
     model, x = _model(), torch.randn(2, 8, 32)
-    prepared = _prepared(model, x)
+    prepared = calibrated(model, x)
     monkeypatch.setattr(compute_policy, "cpu_has_native_bf16", lambda features=None: native)
     default = quantization.convert(prepared, backend="pt2e", example_inputs=x)
     want = [(torch.bfloat16, torch.bfloat16) if native else (torch.float32, torch.float32)] * 4
@@ -230,7 +222,7 @@ def test_int8_pt2e_bf16_attention_default_follows_the_cpu(native, monkeypatch):
 
 def test_int8_pt2e_bf16_attention_runs_the_matmuls_in_bf16_and_tracks_fp32(tmp_path):
     model, x = _model(), torch.randn(2, 8, 32)
-    prepared = _prepared(model, x)
+    prepared = calibrated(model, x)
     default = quantization.convert(prepared, backend="pt2e", example_inputs=x)
     off = quantization.convert(prepared, backend="pt2e", example_inputs=x, bf16_attention=False)
     on = quantization.convert(prepared, backend="pt2e", example_inputs=x, bf16_attention=True)
