@@ -254,7 +254,10 @@ def test_fsdp_recipe_two_nodes_on_one_host(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node",
-         "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "recipes.fsdp_train",
+         "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         # Both "nodes" match the endpoint's host: say which one hosts the rendezvous store instead of letting
+         # both try to bind it (the loser retrying as a client), a race that once left node 0 waiting at exit.
+         "--rdzv-conf", f"is_host={int(rank == 0)}", "-m", "recipes.fsdp_train",
          "--steps", str(STEPS), "--hidden", "32", "--layers", "1", "--seq-len", "16", "--batch-size", "2",
          "--no-progress", "--json", str(metrics), "--plot", str(tmp_path / "fsdp.png")],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
