@@ -9,8 +9,9 @@ The models are in train_models.MODELS (a small ResNet-style CNN, an nn.Transform
 HuggingFace encoder, a torchvision ViT, torchvision ResNet-50, and timm's resnet18, mobilenetv3_small, vit_tiny,
 convnext_atto and efficientnet_b0 at batch 8/64 px with timm's AdamW; full-size transformers for the attention work:
 a 12-layer BERT-base at b8 s128, torchvision ViT-B/16 at 224 px and a Llama-style decoder at s256, for which the step's
-share of the bf16 matmul roof (a 2048^3 bf16 matmul timed before and after their steps) is printed; quick mode runs
-QUICK_MODELS), each
+share of the bf16 matmul roof (a 2048^3 bf16 matmul timed before and after their steps) is printed beside the share
+that the step's matrix products alone reach in bf16 (roof.gemm_only_bound: the most any step can reach); quick mode
+runs QUICK_MODELS), each
 trained with every variant in VARIANTS (QUICK_VARIANTS in quick mode) on the same learnable data (bf16-weight
 variants keep fp32 master weights). Each (model, variant) pair runs in its own subprocess so that its peak RSS
 (resource.getrusage ru_maxrss) is its own; the driver interleaves their steps round-robin so that
@@ -46,7 +47,7 @@ import torch
 
 from ipex_train import compute_policy
 
-from .roof import matmul_roof_gflops, step_flops
+from .roof import gemm_only_bound, matmul_roof_gflops, step_flops
 from .train_models import MODELS, NUM_CLASSES, QUICK_MODELS, ModelSpec
 from .train_variants import AVX2_ENV, CPU_ISA_ENV, QUICK_VARIANTS, VARIANTS, native_bf16
 
@@ -368,10 +369,11 @@ def main(argv: list[str] | None = None) -> None:
         by_variant = {r["variant"]: r for r in run_model(model_name, variants, args.quick, args.threads, args.steps)}
         if roof is not None:
             roof = max(roof, matmul_roof_gflops())  # before and after the interleaved steps: the better one
-            flops = step_flops(MODELS[model_name])
+            flops, bound_s = step_flops(MODELS[model_name]), gemm_only_bound(MODELS[model_name])["seconds"]
             for r in by_variant.values():
-                r["roof_gflops"], r["step_gflop"] = roof, flops / 1e9
+                r["roof_gflops"], r["step_gflop"], r["gemm_only_s"] = roof, flops / 1e9, bound_s
                 r["share_of_bf16_roof"] = flops / r["median_step_s"] / 1e9 / roof
+                r["gemm_only_share_of_roof"] = flops / bound_s / 1e9 / roof
         if not args.no_memory:
             for name, mem in memory_run(model_name, args.variants, args.threads).items():
                 by_variant[name]["memory"] = mem
@@ -388,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
         if "share_of_bf16_roof" in r:
             print(f"{r['model']}/{r['variant']}: {r['step_gflop']:.0f} GFLOP per step (matmul-class) at "
                   f"{r['step_gflop'] / r['median_step_s']:.0f} GFLOP/s = {100 * r['share_of_bf16_roof']:.1f}% of the "
-                  f"bf16 matmul roof measured in this run ({r['roof_gflops']:.0f} GFLOP/s, 2048^3)")
+                  f"bf16 matmul roof measured in this run ({r['roof_gflops']:.0f} GFLOP/s, 2048^3); its products "
+                  f"alone in bf16: {r['gemm_only_s']:.3f} s = {100 * r['gemm_only_share_of_roof']:.1f}% (the bound)")
     targets = _targets(results, by_model_fp32)
     print("\ntargets:")
     for t in targets:
