@@ -51,6 +51,30 @@ struct SoftmaxGradRow {
   Dropout drop;
 };
 
+// One row of RMSNorm forward (rms_norm_rows.h): rstd = 1 / sqrt(mean(x^2) + eps), y = w * bf16(x * rstd), fp32
+// inside, rounded as Hugging Face's LlamaRMSNorm on bf16 x. wide: weight and y are fp32 (else bf16).
+struct RmsNormRow {
+  const uint16_t* x;
+  const void* weight;
+  void* y;
+  int64_t n;
+  float eps;
+  bool wide;
+};
+
+// One row of its backward: g = dy * w, dx = rstd * (g - xhat * mean(g * xhat)), dw += dy * bf16(xhat), xhat =
+// x * rstd. wide: weight and dy are fp32 (else bf16); dx is bf16, dw an fp32 accumulator of n.
+struct RmsNormGradRow {
+  const void* dy;
+  const uint16_t* x;
+  const void* weight;
+  uint16_t* dx;
+  float* dw;
+  int64_t n;
+  float rstd;
+  bool wide;
+};
+
 // Per-ISA entry points: one per optimizer of ITR_OPTIMIZERS (optimizers.h), then the split-bf16 conversions.
 struct KernelTable {
   const char* name;
@@ -63,6 +87,8 @@ struct KernelTable {
   void (*q8_encode)(StateCodec c, const float* in, void* codes, float* scales, int64_t n);
   void (*softmax_row)(const SoftmaxRow& row);  // attention_rows.h
   void (*softmax_grad_row)(const SoftmaxGradRow& row);
+  float (*rms_norm_row)(const RmsNormRow& row);  // rms_norm_rows.h; returns the row's rstd
+  void (*rms_norm_grad_row)(const RmsNormGradRow& row);
 };
 
 // The entry of optimizer Opt in table t.

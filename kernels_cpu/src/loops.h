@@ -35,6 +35,7 @@ struct IsaTag {};  // makes every storage and element template instantiated here
 }  // namespace ipex_train
 
 #include "attention_rows.h"  // after IsaTag, whose scalar access it uses
+#include "rms_norm_rows.h"   // after attention_rows.h, whose column helpers it uses
 
 namespace ipex_train {
 namespace {
@@ -275,7 +276,8 @@ void q8_encode(StateCodec c, const float* in, void* codes, float* scales, int64_
 
 #define ITR_ENTRY(name, args) Loops<fused::name>::entry(),
 extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_OPTIMIZERS(ITR_ENTRY) split_bf16, combine_bf16, q8_encode,
-                                     attn::softmax_row, attn::softmax_grad_row};
+                                     attn::softmax_row, attn::softmax_grad_row, rmsn::rms_norm_row,
+                                     rmsn::rms_norm_grad_row};
 #undef ITR_ENTRY
 
 }  // namespace ipex_train

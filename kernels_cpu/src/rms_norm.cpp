@@ -1,0 +1,101 @@
+// ipex_train's RMSNorm for training (ipex_train/rms_norm): bf16 x over its last dim, a bf16 or fp32 weight, one pass
+// per row forward and backward (rms_norm_rows.h, per ISA), fp32 inside. y has the weight's dtype (bf16 * bf16 is
+// bf16, bf16 * fp32 is fp32, as in Hugging Face's `self.weight * hidden_states.to(input_dtype)`).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "variants.h"
+
+namespace ipex_train {
+namespace {
+
+constexpr const char* kOp = "ipex_train::rms_norm";
+// Rows per partial sum of the weight's gradient: the partials and their reduction do not depend on the thread count,
+// so the gradient is the same bits with any number of threads.
+constexpr int64_t kBlockRows = 64;
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(), kOp, ": x and weight must be CPU tensors");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16, kOp, ": x must be bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat, kOp,
+                   ": weight must be bfloat16 or float32, got ", weight.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1) && x.size(-1) > 0, kOp,
+                    ": weight must be 1-D with x's last dimension (", x.dim() >= 1 ? x.size(-1) : 0,
+                    " > 0), got x ", x.sizes(), ", weight ", weight.sizes());
+}
+
+// rows in parallel, about 16K elements per task.
+template <class Body>
+void each_row(int64_t rows, int64_t n, const Body& body) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) body(r);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  check_inputs(x_in, weight_in);
+  TORCH_CHECK_VALUE(eps >= 0.0, kOp, ": eps must be >= 0, got ", eps);
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  const bool wide = weight.scalar_type() == at::kFloat;
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(weight.scalar_type()));
+  at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+  const KernelTable& kt = kernels();
+  const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  const void* wp = weight.const_data_ptr();
+  auto* yp = static_cast<char*>(y.data_ptr());
+  float* rp = rstd.data_ptr<float>();
+  const int64_t y_row_bytes = n * y.element_size();
+  each_row(rows, n, [&](int64_t r) {
+    // eps as the fp32 that torch's `variance + eps` adds.
+    rp[r] = kt.rms_norm_row({xp + r * n, wp, yp + r * y_row_bytes, n, static_cast<float>(eps), wide});
+  });
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, const at::Tensor& x_in,
+                                                     const at::Tensor& weight_in, const at::Tensor& rstd_in) {
+  check_inputs(x_in, weight_in);
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  TORCH_CHECK_VALUE(grad_y.sizes() == x.sizes(), kOp, ": grad_y must have x's shape ", x.sizes(), ", got ",
+                    grad_y.sizes());
+  TORCH_CHECK_VALUE(rstd_in.scalar_type() == at::kFloat && rstd_in.numel() == rows, kOp,
+                    ": rstd must be the float32 per-row values of the forward");
+  const bool wide = weight.scalar_type() == at::kFloat;
+  const at::Tensor dy = grad_y.to(weight.scalar_type()).contiguous();
+  const at::Tensor rstd = rstd_in.contiguous();
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  at::Tensor partial = at::zeros({std::max<int64_t>(blocks, 1), n}, x.options().dtype(at::kFloat));
+  const KernelTable& kt = kernels();
+  const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  const auto* dyp = static_cast<const char*>(dy.const_data_ptr());
+  const void* wp = weight.const_data_ptr();
+  const float* rp = rstd.const_data_ptr<float>();
+  auto* dxp = static_cast<uint16_t*>(dx.data_ptr());
+  float* pp = partial.data_ptr<float>();
+  const int64_t dy_row_bytes = n * dy.element_size();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t r = b * kBlockRows; r < std::min(rows, (b + 1) * kBlockRows); ++r)
+        kt.rms_norm_grad_row({dyp + r * dy_row_bytes, xp + r * n, wp, dxp + r * n, pp + b * n, n, rp[r], wide});
+    }
+  });
+  at::Tensor dw = blocks > 1 ? partial.sum(0) : partial[0];
+  return {dx, dw.to(weight.scalar_type())};
+}
+
+}  // namespace
+}  // namespace ipex_train
+
+TORCH_LIBRARY_FRAGMENT(ipex_train, m) {
+  m.def("rms_norm_forward(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)");
+  m.def("rms_norm_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor rstd) -> (Tensor grad_x, Tensor grad_weight)");
+}
+
+TORCH_LIBRARY_IMPL(ipex_train, CPU, m) {
+  m.impl("rms_norm_forward", &ipex_train::rms_norm_forward);
+  m.impl("rms_norm_backward", &ipex_train::rms_norm_backward);
+}
