@@ -24,6 +24,9 @@ Policies
     optimize(bf16) slower than fp32 on EfficientNet/MobileNetV3. 3x3 stride-1 ones stay bf16
     (0.56-0.64x the fp32 path's time). Not measured on AMX CPUs. Only while grad is enabled: the
     bf16 forward of these convs is the faster one, so no_grad/inference_mode forwards keep it.
+    Hugging Face RMSNorm modules with exactly Llama's formula (:func:`routes_rms_norm`) run
+    ``ipex_train.rms_norm`` on bf16 inputs: one fused pass per row forward and backward, the
+    forward bit-identical to the module's own (docs/compute_policy.md).
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
@@ -88,6 +91,7 @@ import weakref
 import torch
 
 from .. import _envvars
+from . import _rms_norm
 from ._mode import _AttentionMode, _EmulationMode
 
 __all__ = [
@@ -99,6 +103,7 @@ __all__ = [
     "attach",
     "slow_bf16_depthwise",
     "calls_attention",
+    "routes_rms_norm",
     "emulated_bf16",
     "ComputePolicyHandle",
 ]
@@ -236,8 +241,9 @@ class ComputePolicyHandle:
 
     @property
     def active(self) -> bool:
-        """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs and, in
-        models that call attention (:func:`calls_attention`), to route it to ``ipex_train.attention``)."""
+        """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs, in
+        models that call attention (:func:`calls_attention`) to route it to ``ipex_train.attention``, and on the
+        RMSNorm modules it routes (:func:`routes_rms_norm`))."""
         return bool(self._hooks)
 
     def remove(self) -> None:
@@ -301,6 +307,13 @@ def calls_attention(model: torch.nn.Module) -> bool:
     return False
 
 
+def routes_rms_norm(module: torch.nn.Module) -> bool:
+    """Whether the native policy runs ``module`` through ``ipex_train.rms_norm``: a Hugging Face RMSNorm whose class
+    computes exactly LlamaRMSNorm's formula (Llama, Mistral, Mixtral, Qwen2/3 and their MoE variants, Phi-3) and
+    whose forward is not already replaced on the instance. Only its bf16 inputs go to the kernel."""
+    return _rms_norm.routable(module)
+
+
 def attached(model: torch.nn.Module) -> ComputePolicyHandle | None:
     """The handle of the compute policy attached to ``model`` (by :func:`attach`), or None."""
     return _attached.get(model)
@@ -314,7 +327,8 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     blocks in backward); the backward of the graph built there is emulated too. "native" enters it
     only around the depthwise convs of :func:`slow_bf16_depthwise`, and, in models that call attention
     (:func:`calls_attention`), routes ``F.scaled_dot_product_attention`` to ``ipex_train.attention`` over the same
-    scope as "emulated". Attaching again returns the
+    scope as "emulated"; it also runs the Hugging Face RMSNorm modules of :func:`routes_rms_norm` through
+    ``ipex_train.rms_norm`` (an instance-level forward, removed on detach). Attaching again returns the
     existing handle for the same policy, or replaces a different one.
     """
     if policy not in POLICIES:
@@ -344,6 +358,9 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
         for module in (scoped if calls_attention(model) else ()):
             hooks.append(module.register_forward_pre_hook(_enter_attention_hook))
             hooks.append(module.register_forward_hook(_leave_attention_hook, always_call=True))
+        # Llama-family RMSNorm: ~10 autograd passes in torch ops, one fused pass per row here (docs/compute_policy.md).
+        # An instance-level forward, deleted again by the handle's remove().
+        hooks.extend(_rms_norm.Swap(module) for module in model.modules() if routes_rms_norm(module))
     else:
         for module in scoped:
             hooks.append(module.register_forward_pre_hook(_enter_hook))
