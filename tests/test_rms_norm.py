@@ -7,7 +7,8 @@ Gradients: against the same formula in fp32 autograd on the same bf16 values (no
 computes them in fp32 and rounds grad_x to bf16 once: within 2**-7 relative to the reference's largest magnitude
 (one bf16 rounding plus the forward's own rounding of x * rstd, which fp32 lacks; measured ~4e-3). grad_weight
 sums over rows in fp32 the products with bf16(x * rstd), as the forward rounds it, and is rounded to the weight's
-dtype once: within 2**-7 relative for a bf16 weight, 2**-8 for an fp32 one (measured ~2e-3). HF's bf16 autograd rounds at every step and is looser: within 3%.
+dtype once: within 2**-7 relative for a bf16 weight, 2**-8 for an fp32 one (measured ~2e-3).
+HF's bf16 autograd rounds at every step and is looser: within 3%.
 """
 import pickle
 
