@@ -62,7 +62,9 @@ def test_forward_bit_identical_to_llama_rms_norm(shape, weight_dtype):
     m = _module(shape[-1], dtype=weight_dtype)
     x = _x(shape)
     ref = m(x)
-    out = rms_norm(x, m.weight, m.variance_epsilon)
+    with Ops() as ops:
+        out = rms_norm(x, m.weight, m.variance_epsilon)
+    assert ops.names == [OURS]  # the kernel, not a fallback to the formula
     assert out.dtype == ref.dtype == (BF16 if weight_dtype == BF16 else torch.float32)
     assert torch.equal(out, ref)
 
@@ -182,6 +184,24 @@ def test_torch_compile_full_graph():
     assert torch.equal(out, fn(x, m.weight))
     out.float().sum().backward()
     assert xs.grad is not None and m.weight.grad is not None
+
+
+def test_routed_module_compiles_without_graph_break():
+    m = _module(48)
+    handle = cp.attach(m, "native")
+    x = _x((6, 48))
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(m)(x).graph_break_count == 0
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    out = torch.compile(m, backend=backend, fullgraph=True)(x)
+    assert any("rms_norm_forward" in str(node.target) for gm in graphs for node in gm.graph.nodes)
+    assert torch.equal(out, m(x))
+    handle.remove()
 
 
 def _llama():
