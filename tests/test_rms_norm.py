@@ -1,14 +1,20 @@
 """ipex_train.rms_norm against Hugging Face's LlamaRMSNorm and an fp32 reference; its routing by the native policy.
 
-Forward: bit-identical to LlamaRMSNorm on bf16 input (the kernel repeats torch's fp32 summation order for the mean
-and every rounding of the module), checked with torch.equal.
+Forward: bit-identical to LlamaRMSNorm on bf16 and fp32 input (the kernel repeats torch's fp32 summation order for
+the mean, on squares rounded to fp32 as torch's pow(2) rounds them, and every rounding of the module), checked with
+torch.equal.
 
-Gradients: against the same formula in fp32 autograd on the same bf16 values (no intermediate rounding). The kernel
-computes them in fp32 and rounds grad_x to bf16 once: within 2**-7 relative to the reference's largest magnitude
-(one bf16 rounding plus the forward's own rounding of x * rstd, which fp32 lacks; measured ~4e-3). grad_weight
-sums over rows in fp32 the products with bf16(x * rstd), as the forward rounds it, and is rounded to the weight's
-dtype once: within 2**-7 relative for a bf16 weight, 2**-8 for an fp32 one (measured ~2e-3).
+Gradients, bf16 input: against the same formula in fp32 autograd on the same bf16 values (no intermediate
+rounding). The kernel computes them in fp32 and rounds grad_x to bf16 once: within 2**-7 relative to the reference's
+largest magnitude (one bf16 rounding plus the forward's own rounding of x * rstd, which fp32 lacks; measured ~4e-3).
+grad_weight sums over rows in fp32 the products with bf16(x * rstd), as the forward rounds it, and is rounded to the
+weight's dtype once: within 2**-7 relative for a bf16 weight, 2**-8 for an fp32 one (measured ~2e-3).
 HF's bf16 autograd rounds at every step and is looser: within 3%.
+
+fp32 input: against the formula in float64 autograd on the same values. grad_x is computed in fp32 and stored in
+fp32: within 2e-6 relative to the reference's largest magnitude (a few fp32 ulps of the row's dot product and of
+rstd; measured ~2e-7). grad_weight sums fp32 products over rows in fp32: within 2e-6 relative for an fp32 weight
+(measured ~2e-7), 2**-8 for a bf16 one (one bf16 rounding, at most 2**-8 relative; measured ~3e-3).
 """
 import pickle
 
@@ -48,9 +54,9 @@ def _module(n, eps=1e-5, dtype=BF16, seed=0):
     return m.to(dtype)
 
 
-def _x(shape, seed=1):
+def _x(shape, seed=1, dtype=BF16):
     torch.manual_seed(seed)
-    return (torch.randn(shape) * 2.0).to(BF16)
+    return (torch.randn(shape) * 2.0).to(dtype)
 
 
 SHAPES = [(4, 256, 768), (1, 5), (3, 17), (2, 7, 100), (1, 1), (5, 4100)]
@@ -58,14 +64,15 @@ SHAPES = [(4, 256, 768), (1, 5), (3, 17), (2, 7, 100), (1, 1), (5, 4100)]
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("weight_dtype", [BF16, torch.float32])
-def test_forward_bit_identical_to_llama_rms_norm(shape, weight_dtype):
+@pytest.mark.parametrize("x_dtype", [BF16, torch.float32])
+def test_forward_bit_identical_to_llama_rms_norm(shape, weight_dtype, x_dtype):
     m = _module(shape[-1], dtype=weight_dtype)
-    x = _x(shape)
+    x = _x(shape, dtype=x_dtype)
     ref = m(x)
     with Ops() as ops:
         out = rms_norm(x, m.weight, m.variance_epsilon)
     assert ops.names == [OURS]  # the kernel, not a fallback to the formula
-    assert out.dtype == ref.dtype == (BF16 if weight_dtype == BF16 else torch.float32)
+    assert out.dtype == ref.dtype == (BF16 if weight_dtype == x_dtype == BF16 else torch.float32)
     assert torch.equal(out, ref)
 
 
@@ -126,9 +133,33 @@ def test_weight_grad_deterministic_across_thread_counts():
     assert torch.equal(grads[0], grads[1])
 
 
-def test_fp32_input_falls_back_to_the_formula():
+def _fp64_reference(x, w, eps, g):
+    xr = x.detach().double().requires_grad_()
+    wr = w.detach().double().requires_grad_()
+    y = wr * (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + eps))
+    y.backward(g.double())
+    return xr.grad, wr.grad
+
+
+@pytest.mark.parametrize("shape", [(4, 256, 768), (1, 5), (3, 17), (130, 100), (1, 1)])
+@pytest.mark.parametrize("weight_dtype", [BF16, torch.float32])
+def test_fp32_input_grads_against_float64(shape, weight_dtype):
+    m = _module(shape[-1], dtype=weight_dtype)
+    x = _x(shape, dtype=torch.float32).requires_grad_()
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    with Ops() as ops:
+        rms_norm(x, m.weight, m.variance_epsilon).backward(g)
+    assert ops.names.count("ipex_train.rms_norm_backward") == 1
+    assert x.grad.dtype == torch.float32 and m.weight.grad.dtype == weight_dtype
+    rx, rw = _fp64_reference(x, m.weight, m.variance_epsilon, g)
+    assert (x.grad.double() - rx).abs().max() <= 2e-6 * rx.abs().max() + 1e-7
+    w_tol = 2e-6 if weight_dtype == torch.float32 else 2**-8
+    assert (m.weight.grad.double() - rw).abs().max() <= w_tol * rw.abs().max() + 1e-7
+
+
+def test_other_input_dtypes_fall_back_to_the_formula():
     m = _module(40, dtype=torch.float32)
-    x = torch.randn(3, 40, requires_grad=True)
+    x = torch.randn(3, 40, dtype=torch.float16, requires_grad=True)
     with Ops() as ops:
         out = rms_norm(x, m.weight, m.variance_epsilon)
         out.sum().backward()
@@ -148,12 +179,13 @@ def test_bad_arguments_name_themselves():
         rms_norm([1.0] * 8, w)
 
 
-def test_kernel_variants_agree(variant):
-    # Forward: the same exactly rounded operations in the same order on every ISA: bit-identical. Backward: the row
-    # dot product sums in each ISA's vector width; one bf16 ulp apart at most.
+@pytest.mark.parametrize("x_dtype", [BF16, torch.float32])
+def test_kernel_variants_agree(variant, x_dtype):
+    # Forward: the same exactly rounded operations in the same order on every ISA (no contracted FMAs): bit-identical.
+    # Backward: the row dot product sums in each ISA's vector width; one ulp of x's dtype apart at most.
     m = _module(203)
-    x = _x((40, 203)).requires_grad_()
-    g = torch.randn(40, 203).to(BF16)
+    x = _x((40, 203), dtype=x_dtype).requires_grad_()
+    g = torch.randn(40, 203).to(x_dtype)
     out = rms_norm(x, m.weight, 1e-5)
     out.backward(g)
     gx, gw = x.grad.clone(), m.weight.grad.clone()
@@ -165,13 +197,15 @@ def test_kernel_variants_agree(variant):
     finally:
         _ops.set_kernel_variant(variant)
     assert torch.equal(out, ref)
-    torch.testing.assert_close(gx, x.grad, rtol=2**-7, atol=1e-3)
+    rtol, atol = (2**-7, 1e-3) if x_dtype == BF16 else (1e-5, 1e-6)
+    torch.testing.assert_close(gx, x.grad, rtol=rtol, atol=atol)
     torch.testing.assert_close(gw, m.weight.grad, rtol=2**-7, atol=1e-3)
 
 
-def test_torch_compile_full_graph():
+@pytest.mark.parametrize("x_dtype", [BF16, torch.float32])
+def test_torch_compile_full_graph(x_dtype):
     m = _module(48)
-    x = _x((6, 48))
+    x = _x((6, 48), dtype=x_dtype)
 
     def fn(x, w):
         return rms_norm(x, w, 1e-5) * 2
@@ -181,9 +215,10 @@ def test_torch_compile_full_graph():
     compiled = torch.compile(fn, fullgraph=True)
     xs = x.requires_grad_()
     out = compiled(xs, m.weight)
+    assert out.dtype == (BF16 if x_dtype == BF16 else torch.float32)
     assert torch.equal(out, fn(x, m.weight))
     out.float().sum().backward()
-    assert xs.grad is not None and m.weight.grad is not None
+    assert xs.grad.dtype == x_dtype and m.weight.grad is not None
 
 
 def test_routed_module_compiles_without_graph_break():
@@ -250,6 +285,44 @@ def test_llama_routed_under_native_and_detach_restores():
     copy = pickle.loads(pickle.dumps(model))
     assert torch.isfinite(copy(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits.float()).all()
     handle.remove()
+
+
+def test_llama_fed_fp32_embeddings_routes_fp32_norms():
+    # As benchmarks/train_models.py's llama_s256: fp32 embeddings keep the residual stream fp32 and optimize keeps
+    # the norm weights fp32, so every norm sees fp32 input: the kernel runs on it, forward and backward.
+    model = _optimized(_llama(), "native")
+    norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+    assert all(m.weight.dtype == torch.float32 for m in norms)
+    embeds = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(0))
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype)) for m in norms]
+
+    def step():
+        loss = model(inputs_embeds=embeds, labels=ids).loss
+        loss.backward()
+        return loss.item()
+
+    with Ops() as ops:
+        loss = step()
+    assert seen == [torch.float32] * 5
+    assert ops.names.count(OURS) == 5 and ops.names.count("ipex_train.rms_norm_backward") == 5
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for h in hooks:
+        h.remove()
+    # Only the norms' routing removed (the rest of the policy, which lets attention take mixed dtypes, stays).
+    for m in norms:
+        del m.forward
+    model.zero_grad(set_to_none=True)
+    with Ops() as ops:
+        ref = step()
+    assert OURS not in ops.names
+    # The norms' forward is the same bits; their gradients differ from torch's by fp32 rounding only.
+    assert loss == ref
+    for n, p in model.named_parameters():
+        if n in grads:
+            err = (grads[n].float() - p.grad.float()).abs().max().item()
+            assert err <= 1e-2 * p.grad.float().abs().max().item() + 1e-4, n
 
 
 def test_emulated_policy_does_not_route():

@@ -25,7 +25,7 @@ Policies
     (0.56-0.64x the fp32 path's time). Not measured on AMX CPUs. Only while grad is enabled: the
     bf16 forward of these convs is the faster one, so no_grad/inference_mode forwards keep it.
     Hugging Face RMSNorm modules with exactly Llama's formula (:func:`routes_rms_norm`) run
-    ``ipex_train.rms_norm`` on bf16 inputs: one fused pass per row forward and backward, the
+    ``ipex_train.rms_norm`` on bf16 and fp32 CPU inputs: one fused pass per row forward and backward, the
     forward bit-identical to the module's own (docs/compute_policy.md).
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,

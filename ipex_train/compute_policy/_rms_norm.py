@@ -31,8 +31,9 @@ def routable(module: torch.nn.Module) -> bool:
 
 # Named `forward`: pickling a bound method stores getattr(module, "forward"), which then finds a name.
 def forward(self, hidden_states):
-    """The routed forward: bf16 input through the fused kernel, any other through the class's own forward."""
-    if hidden_states.dtype != torch.bfloat16:
+    """The routed forward: bf16 or fp32 CPU input through the fused kernel, any other through the class's own
+    forward."""
+    if not _fused.supports(hidden_states, self.weight):
         return type(self).forward(self, hidden_states)
     return _fused.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 

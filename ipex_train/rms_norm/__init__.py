@@ -1,14 +1,15 @@
-"""Fused RMSNorm for training on bf16 activations: one pass per row forward and backward, fp32 inside.
+"""Fused RMSNorm for training on bf16 or fp32 activations: one pass per row forward and backward, fp32 inside.
 
 Why
 ---
 Hugging Face's ``LlamaRMSNorm`` (``h = x.float(); h = h * rsqrt(h.pow(2).mean(-1) + eps); weight * h.to(x.dtype)``)
-runs about ten elementwise passes forward + backward under autograd: 2.6 ms on a (4, 256, 768) bf16 input at 2
-threads, 17 calls per step of an 8-layer decoder. torch's ``F.rms_norm`` fuses the forward only (its backward is
+runs about ten elementwise passes forward + backward under autograd: 2.6 ms on a (4, 256, 768) bf16 or fp32 input at
+2 threads, 17 calls per step of an 8-layer decoder. torch's ``F.rms_norm`` fuses the forward only (its backward is
 decomposed). Here forward and backward are one C++ pass per row each (``kernels_cpu/src/rms_norm_rows.h``, compiled
 per ISA). See docs/compute_policy.md for the measurements.
 
-:func:`rms_norm` computes exactly Llama's formula: on bf16 input its output is bit-identical to that module's. The
+:func:`rms_norm` computes exactly Llama's formula: on bf16 and fp32 input its output is bit-identical to that
+module's. The
 ``bf16`` native compute policy of ``ipex_train.optimize`` routes Hugging Face's Llama-family RMSNorm modules here
 (``ipex_train.compute_policy``).
 """
@@ -23,8 +24,8 @@ __all__ = ["rms_norm", "supports"]
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`rms_norm` runs the fused kernel on these tensors (else the plain torch formula): a bf16 CPU
-    ``x`` with a non-empty last dimension and a bf16 or fp32 CPU ``weight``."""
-    return (x.dtype == torch.bfloat16 and weight.dtype in (torch.bfloat16, torch.float32)
+    ``x`` or an fp32 one, with a non-empty last dimension, and a bf16 or fp32 CPU ``weight``."""
+    return (x.dtype in (torch.bfloat16, torch.float32) and weight.dtype in (torch.bfloat16, torch.float32)
             and x.device.type == "cpu" and weight.device.type == "cpu" and x.shape[-1] > 0)
 
 
@@ -39,7 +40,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     ``weight * (x.float() * rsqrt(mean(x.float() ** 2, -1) + eps)).to(x.dtype)``.
 
     ``x``: a tensor of at least one dimension; ``weight``: 1-D, of ``x``'s last dimension; ``eps`` >= 0. The result
-    has the dtype ``weight * x`` promotes to (bf16 for bf16 ``x`` and ``weight``, fp32 for an fp32 ``weight``).
+    has the dtype ``weight * x`` promotes to (bf16 for bf16 ``x`` and ``weight``, else fp32).
     Where :func:`supports` holds this runs the fused kernel (bit-identical forward, gradients for ``x`` and
     ``weight`` computed in fp32 and returned in their dtypes); otherwise the formula above in torch ops.
     """

@@ -12,7 +12,8 @@ _BACKWARD = "ipex_train::rms_norm_backward"
 
 @torch.library.register_fake(_FORWARD)
 def _forward_fake(x, weight, eps):
-    return x.new_empty(x.shape, dtype=weight.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    y_dtype = torch.promote_types(x.dtype, weight.dtype)  # as the kernel: fp32 unless both are bf16
+    return x.new_empty(x.shape, dtype=y_dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.register_fake(_BACKWARD)

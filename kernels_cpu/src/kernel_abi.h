@@ -51,28 +51,31 @@ struct SoftmaxGradRow {
   Dropout drop;
 };
 
-// One row of RMSNorm forward (rms_norm_rows.h): rstd = 1 / sqrt(mean(x^2) + eps), y = w * bf16(x * rstd), fp32
-// inside, rounded as Hugging Face's LlamaRMSNorm on bf16 x. wide: weight and y are fp32 (else bf16).
+// One row of RMSNorm forward (rms_norm_rows.h): rstd = 1 / sqrt(mean(x^2) + eps), y = w * round(x * rstd), fp32
+// inside, rounded as Hugging Face's LlamaRMSNorm (round: to bf16 for bf16 x, none for fp32 x). x_f32: x is fp32
+// (else bf16); w_f32: the weight is fp32 (else bf16); y is fp32 if either is (else bf16), as torch promotes w * x.
 struct RmsNormRow {
-  const uint16_t* x;
+  const void* x;
   const void* weight;
   void* y;
   int64_t n;
   float eps;
-  bool wide;
+  bool x_f32;
+  bool w_f32;
 };
 
-// One row of its backward: g = dy * w, dx = rstd * (g - xhat * mean(g * xhat)), dw += dy * bf16(xhat), xhat =
-// x * rstd. wide: weight and dy are fp32 (else bf16); dx is bf16, dw an fp32 accumulator of n.
+// One row of its backward: g = dy * w, dx = rstd * (g - xhat * mean(g * xhat)), dw += dy * round(xhat), xhat =
+// x * rstd. dy has y's dtype and dx x's (flags as above); dw is an fp32 accumulator of n.
 struct RmsNormGradRow {
   const void* dy;
-  const uint16_t* x;
+  const void* x;
   const void* weight;
-  uint16_t* dx;
+  void* dx;
   float* dw;
   int64_t n;
   float rstd;
-  bool wide;
+  bool x_f32;
+  bool w_f32;
 };
 
 // Per-ISA entry points: one per optimizer of ITR_OPTIMIZERS (optimizers.h), then the split-bf16 conversions.

@@ -1,6 +1,6 @@
-// ipex_train's RMSNorm for training (ipex_train/rms_norm): bf16 x over its last dim, a bf16 or fp32 weight, one pass
-// per row forward and backward (rms_norm_rows.h, per ISA), fp32 inside. y has the weight's dtype (bf16 * bf16 is
-// bf16, bf16 * fp32 is fp32, as in Hugging Face's `self.weight * hidden_states.to(input_dtype)`).
+// ipex_train's RMSNorm for training (ipex_train/rms_norm): bf16 or fp32 x over its last dim, a bf16 or fp32 weight,
+// one pass per row forward and backward (rms_norm_rows.h, per ISA), fp32 inside. y has the dtype torch promotes
+// weight * x to (bf16 only when both are bf16, as in Hugging Face's `self.weight * hidden_states.to(input_dtype)`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,7 +17,8 @@ constexpr int64_t kBlockRows = 64;
 
 void check_inputs(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(), kOp, ": x and weight must be CPU tensors");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16, kOp, ": x must be bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, kOp,
+                   ": x must be bfloat16 or float32, got ", x.scalar_type());
   TORCH_CHECK_TYPE(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat, kOp,
                    ": weight must be bfloat16 or float32, got ", weight.scalar_type());
   TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1) && x.size(-1) > 0, kOp,
@@ -38,18 +39,19 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x_in, cons
   TORCH_CHECK_VALUE(eps >= 0.0, kOp, ": eps must be >= 0, got ", eps);
   const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
   const int64_t n = x.size(-1), rows = x.numel() / n;
-  const bool wide = weight.scalar_type() == at::kFloat;
-  at::Tensor y = at::empty(x.sizes(), x.options().dtype(weight.scalar_type()));
+  const bool x_f32 = x.scalar_type() == at::kFloat, w_f32 = weight.scalar_type() == at::kFloat;
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(x_f32 || w_f32 ? at::kFloat : at::kBFloat16));
   at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
   const KernelTable& kt = kernels();
-  const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  const auto* xp = static_cast<const char*>(x.const_data_ptr());
   const void* wp = weight.const_data_ptr();
   auto* yp = static_cast<char*>(y.data_ptr());
   float* rp = rstd.data_ptr<float>();
-  const int64_t y_row_bytes = n * y.element_size();
+  const int64_t x_row_bytes = n * x.element_size(), y_row_bytes = n * y.element_size();
   each_row(rows, n, [&](int64_t r) {
     // eps as the fp32 that torch's `variance + eps` adds.
-    rp[r] = kt.rms_norm_row({xp + r * n, wp, yp + r * y_row_bytes, n, static_cast<float>(eps), wide});
+    rp[r] = kt.rms_norm_row({xp + r * x_row_bytes, wp, yp + r * y_row_bytes, n, static_cast<float>(eps), x_f32,
+                             w_f32});
   });
   return {y, rstd};
 }
@@ -63,24 +65,25 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, c
                     grad_y.sizes());
   TORCH_CHECK_VALUE(rstd_in.scalar_type() == at::kFloat && rstd_in.numel() == rows, kOp,
                     ": rstd must be the float32 per-row values of the forward");
-  const bool wide = weight.scalar_type() == at::kFloat;
-  const at::Tensor dy = grad_y.to(weight.scalar_type()).contiguous();
+  const bool x_f32 = x.scalar_type() == at::kFloat, w_f32 = weight.scalar_type() == at::kFloat;
+  const at::Tensor dy = grad_y.to(x_f32 || w_f32 ? at::kFloat : at::kBFloat16).contiguous();  // y's dtype
   const at::Tensor rstd = rstd_in.contiguous();
   at::Tensor dx = at::empty(x.sizes(), x.options());
   const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
   at::Tensor partial = at::zeros({std::max<int64_t>(blocks, 1), n}, x.options().dtype(at::kFloat));
   const KernelTable& kt = kernels();
-  const auto* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  const auto* xp = static_cast<const char*>(x.const_data_ptr());
   const auto* dyp = static_cast<const char*>(dy.const_data_ptr());
   const void* wp = weight.const_data_ptr();
   const float* rp = rstd.const_data_ptr<float>();
-  auto* dxp = static_cast<uint16_t*>(dx.data_ptr());
+  auto* dxp = static_cast<char*>(dx.data_ptr());
   float* pp = partial.data_ptr<float>();
-  const int64_t dy_row_bytes = n * dy.element_size();
+  const int64_t x_row_bytes = n * x.element_size(), dy_row_bytes = n * dy.element_size();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t r = b * kBlockRows; r < std::min(rows, (b + 1) * kBlockRows); ++r)
-        kt.rms_norm_grad_row({dyp + r * dy_row_bytes, xp + r * n, wp, dxp + r * n, pp + b * n, n, rp[r], wide});
+        kt.rms_norm_grad_row({dyp + r * dy_row_bytes, xp + r * x_row_bytes, wp, dxp + r * x_row_bytes, pp + b * n, n,
+                              rp[r], x_f32, w_f32});
     }
   });
   at::Tensor dw = blocks > 1 ? partial.sum(0) : partial[0];

@@ -1,12 +1,13 @@
-// The per-row math of ipex_train's RMSNorm (ipex_train/rms_norm): forward and backward of one row of bf16 x, fp32
-// inside. Included by loops.h after attention_rows.h (whose column helpers it uses), so each ISA file compiles
-// these very lines.
+// The per-row math of ipex_train's RMSNorm (ipex_train/rms_norm): forward and backward of one row of bf16 or fp32 x
+// (the template parameter X: uint16_t holds bf16), fp32 inside. Included by loops.h after attention_rows.h (whose
+// column helpers it uses), so each ISA file compiles these very lines.
 //
 // Why: Hugging Face's LlamaRMSNorm runs ~10 elementwise passes under autograd (2.6 ms forward + backward on a
-// (4, 256, 768) bf16 input at 2 threads); one pass to reduce and one to write per row here.
+// (4, 256, 768) input at 2 threads, bf16 or fp32); one pass to reduce and one to write per row here.
 //
-// The forward is bit-identical to that module on bf16 input: its mean(x^2) is torch's fp32 sum (a fixed order, see
-// sum_of_squares) divided by n, rstd = 1 / sqrt(mean + eps), and y = w * bf16(x * rstd) rounded once more.
+// The forward is bit-identical to that module: its mean(x^2) is torch's fp32 sum of the fp32 squares (a fixed
+// order, see sum_of_squares) divided by n, rstd = 1 / sqrt(mean + eps), and y = w * round(x * rstd) with round the
+// module's `.to(input_dtype)`: to bf16 for bf16 x, none for fp32 x; w * ... in fp32 and rounded to y's dtype.
 #pragma once
 
 #include "kernel_abi.h"
@@ -18,8 +19,10 @@ namespace rmsn {
 // torch's fp32 sum over a contiguous last dim (aten/src/ATen/native/cpu/SumKernel.cpp, torch 2.x) adds
 // 8-float vectors (its kernel's width on x86 in every CPU capability, checked against torch 2.14) in this order:
 // vector i goes to partial sum i % 4 of a 4-level cascade (each level a block of 2^p vectors, p >= 4), the four
-// partial sums are added in order, then the tail elements and the 8 lanes one by one. Squares of bf16 values are
-// exact in fp32, so repeating that order repeats torch's mean bit for bit.
+// partial sums are added in order, then the tail elements and the 8 lanes one by one. Repeating that order on the
+// same fp32 squares repeats torch's mean bit for bit. Squares of bf16 values are exact in fp32; those of fp32 values
+// are rounded to fp32 before the add, as torch's pow(2) tensor is: setup.py compiles every ISA file with
+// -ffp-contract=off, so `a += f * f` is never fused into one FMA (which would skip that rounding).
 constexpr int64_t kLanes = 8;
 constexpr int64_t kIlp = 4;
 constexpr int64_t kLevels = 4;
@@ -28,7 +31,9 @@ struct Lanes {
   float v[kLanes];
 };
 
-ITR_FN float bf16_value(uint16_t h) { return convert::bf16_to_f32(uint32_t(h)); }
+// Element e of x as fp32.
+ITR_FN float value(const uint16_t* x, int64_t e) { return convert::bf16_to_f32(uint32_t(x[e])); }
+ITR_FN float value(const float* x, int64_t e) { return x[e]; }
 
 ITR_FN void zero(float& a) { a = 0.0f; }
 ITR_FN void zero(Lanes& a) {
@@ -39,13 +44,15 @@ ITR_FN void add(Lanes& a, const Lanes& b) {
   for (int64_t l = 0; l < kLanes; ++l) a.v[l] += b.v[l];
 }
 // Adds the squares of element e (one value, or the vector of kLanes values at e * kLanes).
-ITR_FN void add_square(float& a, const uint16_t* x, int64_t e) {
-  const float f = bf16_value(x[e]);
+template <class X>
+ITR_FN void add_square(float& a, const X* x, int64_t e) {
+  const float f = value(x, e);
   a += f * f;
 }
-ITR_FN void add_square(Lanes& a, const uint16_t* x, int64_t e) {
+template <class X>
+ITR_FN void add_square(Lanes& a, const X* x, int64_t e) {
   for (int64_t l = 0; l < kLanes; ++l) {
-    const float f = bf16_value(x[e * kLanes + l]);
+    const float f = value(x, e * kLanes + l);
     a.v[l] += f * f;
   }
 }
@@ -53,8 +60,8 @@ ITR_FN void add_square(Lanes& a, const uint16_t* x, int64_t e) {
 ITR_FN int64_t ceil_log2(int64_t v) { return v <= 2 ? 1 : 64 - __builtin_clzll(uint64_t(v - 1)); }
 
 // The sum of the squares of elements [0, size) of x, E being one value or a vector of kLanes (see above).
-template <class E>
-E cascade_sum(const uint16_t* x, int64_t size) {
+template <class E, class X>
+E cascade_sum(const X* x, int64_t size) {
   const int64_t rounds = size / kIlp;  // groups of kIlp elements, cascaded
   const int64_t power = ceil_log2(rounds) / kLevels > 4 ? ceil_log2(rounds) / kLevels : 4;
   const int64_t step = int64_t(1) << power;
@@ -82,7 +89,8 @@ E cascade_sum(const uint16_t* x, int64_t size) {
   return acc[0][0];
 }
 
-ITR_FN float sum_of_squares(const uint16_t* x, int64_t n) {
+template <class X>
+ITR_FN float sum_of_squares(const X* x, int64_t n) {
   if (n < kLanes) return cascade_sum<float>(x, n);
   const int64_t vectors = n / kLanes;
   const Lanes v = cascade_sum<Lanes>(x, vectors);
@@ -92,62 +100,85 @@ ITR_FN float sum_of_squares(const uint16_t* x, int64_t n) {
   return total;
 }
 
-// bf16(v) as a float: round to nearest even and back.
-template <class F>
-ITR_FN F round_bf16(F v) {
-  return convert::bf16_to_f32(convert::f32_to_bf16(v));
+// Columns j.. of x (bf16 or fp32) as fp32, and their store in x's dtype.
+template <class A, class X>
+ITR_FN typename A::T x_at(const X* x, int64_t j) {
+  if constexpr (std::is_same<X, float>::value) return attn::load_f32<A>(x, j);
+  else return A::bf16(x, j);
+}
+template <class A, class X>
+ITR_FN void put_x(X* p, int64_t j, typename A::T v) {
+  if constexpr (std::is_same<X, float>::value) attn::store_f32<A>(p, j, v);
+  else A::put_bf16(p, j, v);
 }
 
-template <bool WIDE, class A>
-ITR_FN typename A::T weight_at(const void* w, int64_t j) {
-  if constexpr (WIDE) return attn::load_f32<A>(static_cast<const float*>(w), j);
-  else return A::bf16(static_cast<const uint16_t*>(w), j);
+// The module's `.to(input_dtype)` of x * rstd: round to nearest even bf16 for bf16 x, nothing for fp32 x.
+template <class X, class F>
+ITR_FN F as_input(F v) {
+  if constexpr (std::is_same<X, float>::value) return v;
+  else return convert::bf16_to_f32(convert::f32_to_bf16(v));
 }
 
-template <bool WIDE>
+// An fp32 (F32) or bf16 vector of the row (weight, y, dy) at columns j.., as fp32.
+template <bool F32, class A>
+ITR_FN typename A::T load(const void* p, int64_t j) {
+  if constexpr (F32) return attn::load_f32<A>(static_cast<const float*>(p), j);
+  else return A::bf16(static_cast<const uint16_t*>(p), j);
+}
+
+// y (and dy) are fp32 when x or the weight is, as torch promotes `weight * h.to(input_dtype)`.
+template <class X, bool W32>
+constexpr bool kY32 = std::is_same<X, float>::value || W32;
+
+template <class X, bool W32>
 float rms_norm_row_impl(const RmsNormRow& r) {
+  const X* x = static_cast<const X*>(r.x);
   // mean then + eps then 1 / sqrt, each rounded to fp32 as torch's pow(2).mean(), + eps and rsqrt are.
-  const float mean = sum_of_squares(r.x, r.n) / float(r.n);
+  const float mean = sum_of_squares(x, r.n) / float(r.n);
   const float rstd = 1.0f / math::sqrt_(mean + r.eps);
   attn::columns(r.n, [&](auto a, int64_t j) {
     using A = decltype(a);
-    const auto y = weight_at<WIDE, A>(r.weight, j) * round_bf16(A::bf16(r.x, j) * rstd);
-    if constexpr (WIDE) attn::store_f32<A>(static_cast<float*>(r.y), j, y);
+    const auto y = load<W32, A>(r.weight, j) * as_input<X>(x_at<A>(x, j) * rstd);
+    if constexpr (kY32<X, W32>) attn::store_f32<A>(static_cast<float*>(r.y), j, y);
     else A::put_bf16(static_cast<uint16_t*>(r.y), j, y);
   });
   return rstd;
 }
 
-template <bool WIDE, class A>
-ITR_FN typename A::T grad_at(const void* dy, int64_t j) {
-  if constexpr (WIDE) return attn::load_f32<A>(static_cast<const float*>(dy), j);
-  else return A::bf16(static_cast<const uint16_t*>(dy), j);
-}
-
-template <bool WIDE>
+template <class X, bool W32>
 void rms_norm_grad_row_impl(const RmsNormGradRow& r) {
+  constexpr bool Y32 = kY32<X, W32>;
+  const X* x = static_cast<const X*>(r.x);
   const float rstd = r.rstd;
   auto dot = attn::start<attn::Sum>(0.0f);
   attn::columns(r.n, [&](auto a, int64_t j) {
     using A = decltype(a);
-    dot.add(grad_at<WIDE, A>(r.dy, j) * weight_at<WIDE, A>(r.weight, j) * (A::bf16(r.x, j) * rstd));
+    dot.add(load<Y32, A>(r.dy, j) * load<W32, A>(r.weight, j) * (x_at<A>(x, j) * rstd));
   });
   const float c = dot.total() / float(r.n);
   attn::columns(r.n, [&](auto a, int64_t j) {
     using A = decltype(a);
-    const auto dy = grad_at<WIDE, A>(r.dy, j);
-    const auto xhat = A::bf16(r.x, j) * rstd;
-    A::put_bf16(r.dx, j, (dy * weight_at<WIDE, A>(r.weight, j) - xhat * c) * rstd);
-    // The weight's gradient is that of the forward as rounded: y = w * bf16(xhat).
-    attn::store_f32<A>(r.dw, j, attn::load_f32<A>(r.dw, j) + dy * round_bf16(xhat));
+    const auto dy = load<Y32, A>(r.dy, j);
+    const auto xhat = x_at<A>(x, j) * rstd;
+    put_x<A>(static_cast<X*>(r.dx), j, (dy * load<W32, A>(r.weight, j) - xhat * c) * rstd);
+    // The weight's gradient is that of the forward as rounded: y = w * round(xhat).
+    attn::store_f32<A>(r.dw, j, attn::load_f32<A>(r.dw, j) + dy * as_input<X>(xhat));
   });
 }
 
-float rms_norm_row(const RmsNormRow& r) { return r.wide ? rms_norm_row_impl<true>(r) : rms_norm_row_impl<false>(r); }
+float rms_norm_row(const RmsNormRow& r) {
+  if (r.x_f32) return r.w_f32 ? rms_norm_row_impl<float, true>(r) : rms_norm_row_impl<float, false>(r);
+  return r.w_f32 ? rms_norm_row_impl<uint16_t, true>(r) : rms_norm_row_impl<uint16_t, false>(r);
+}
 
 void rms_norm_grad_row(const RmsNormGradRow& r) {
-  if (r.wide) rms_norm_grad_row_impl<true>(r);
-  else rms_norm_grad_row_impl<false>(r);
+  if (r.x_f32) {
+    if (r.w_f32) rms_norm_grad_row_impl<float, true>(r);
+    else rms_norm_grad_row_impl<float, false>(r);
+  } else {
+    if (r.w_f32) rms_norm_grad_row_impl<uint16_t, true>(r);
+    else rms_norm_grad_row_impl<uint16_t, false>(r);
+  }
 }
 
 }  // namespace rmsn
