@@ -1,16 +1,17 @@
-"""Forward and forward + backward time of one RMSNorm on bf16 activations: ipex_train.rms_norm against Hugging
-Face's LlamaRMSNorm (torch ops under autograd) and torch's ``F.rms_norm``, all on the same bf16 input and weight.
+"""Forward and forward + backward time of one RMSNorm on bf16 and fp32 activations: ipex_train.rms_norm against
+Hugging Face's LlamaRMSNorm (torch ops under autograd) and torch's ``F.rms_norm``, on the same input and weight.
 
 Run from the repository root (on a quiet machine)::
 
     python -m benchmarks.bench_rms_norm [--threads 2] [--steps 6] [--json out.json]
 
-Each time is the best of 5 rounds of ``--repeats`` calls, the variants interleaved round by round. The fp32 rows are
-what Hugging Face's module costs on fp32 activations (not routed: ``rms_norm`` falls back to the same formula).
+Each time is the best of 5 rounds of ``--repeats`` calls, the variants interleaved round by round. The fp32 rows
+take fp32 input and an fp32 weight (as the norms of an fp32-fed model under ``optimize``, or under autocast).
 
 ``--steps N`` also times N train steps (median) of benchmarks/train_models.py's ``llama_s256`` model under
-``optimize(bf16)`` (native policy) fed bf16 embeddings, so that its RMSNorms see bf16 activations and are routed,
-against the same model with the policy's RMSNorm routing removed; alternating, step by step.
+``optimize(bf16)`` (native policy), routed against the same model with the policy's RMSNorm routing removed,
+alternating step by step: fed bf16 embeddings (its RMSNorms see bf16 activations) and fed fp32 embeddings as
+benchmarks/bench_train_step.py feeds it (the residual stream and so every RMSNorm stay fp32).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def _variants(shape):
         "ipex_train.rms_norm": lambda t: rms_norm(t, hf.weight, hf.variance_epsilon),
         "torch F.rms_norm": lambda t: F.rms_norm(t, (shape[-1],), hf.weight, hf.variance_epsilon),
         "hf LlamaRMSNorm fp32": lambda t: hf32(x32),
+        "ipex_train.rms_norm fp32": lambda t: rms_norm(x32, hf32.weight, hf32.variance_epsilon),
     }
 
     def forward(fn):
@@ -63,7 +65,7 @@ def _variants(shape):
     return out
 
 
-def _steps(n: int) -> dict:
+def _steps(n: int, dtype: torch.dtype) -> dict:
     import statistics
 
     import ipex_train
@@ -76,7 +78,7 @@ def _steps(n: int) -> dict:
                                            bf16_compute="native")
     norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
     routed = {m: m.forward for m in norms}  # the policy's instance-level forwards
-    x = torch.randn(4, 256, 768).to(torch.bfloat16)
+    x = torch.randn(4, 256, 768).to(dtype)
     y = torch.randint(0, 10, (4,))
 
     def step():
@@ -130,15 +132,16 @@ def main(argv=None) -> None:
         row = {"shape": list(shape), "ms": {k: 1e3 * v for k, v in best.items()}}
         rows.append(row)
         print(f"{tuple(shape)}: " + "  ".join(f"{k} {v:.3f}" for k, v in row["ms"].items()) + " ms", flush=True)
-    steps = _steps(args.steps) if args.steps else None
-    if steps:
-        print("llama_s256 train step fed bf16 embeddings, median ms: "
-              + "  ".join(f"{k} {v:.1f}" for k, v in steps.items()), flush=True)
+    steps = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)) if args.steps else ():
+        steps[name] = _steps(args.steps, dtype)
+        print(f"llama_s256 train step fed {name} embeddings, median ms: "
+              + "  ".join(f"{k} {v:.1f}" for k, v in steps[name].items()), flush=True)
     if args.json:
         meta = {"torch": torch.__version__, "machine": platform.processor() or platform.machine(),
                 "threads": torch.get_num_threads(), "kernel_variant": _ops.kernel_variant(),
                 "cpu_features": {k: v for k, v in _ops.cpu_features().items() if v}}
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "llama_s256_step_ms": steps}, indent=2))
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "llama_s256_step_ms": steps or None}, indent=2))
 
 
 if __name__ == "__main__":
