@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +21,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ipex_train import _ops, attention
+
+from .timing import best_of_rounds
 
 # (batch, heads, query/key length, head dim, dropout, causal)
 SHAPES = (
@@ -78,15 +79,7 @@ def main(argv=None) -> None:
     for shape in SHAPES:
         b, h, s, d, p, causal = shape
         variants = _variants(*shape)
-        best = dict.fromkeys(variants, float("inf"))
-        for fn in variants.values():
-            fn()  # warm-up
-        for _ in range(3):
-            for name, fn in variants.items():
-                start = time.perf_counter()
-                for _ in range(args.repeats):
-                    fn()
-                best[name] = min(best[name], (time.perf_counter() - start) / args.repeats)
+        best = best_of_rounds(variants, rounds=3, repeats=args.repeats)
         flops = 6 * 2 * b * h * s * s * d * (0.5 if causal else 1.0)  # 2 products forward, 4 backward
         row = {"batch": b, "heads": h, "seq": s, "head_dim": d, "dropout": p, "causal": causal,
                "ms": {k: 1e3 * v for k, v in best.items()},

@@ -28,6 +28,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from ipex_train import _ops
 from ipex_train.rms_norm import rms_norm
 
+from .timing import best_of_rounds
+
 # (batch, sequence, hidden): benchmarks/train_models.py's llama_s256 activations, and a wider model's.
 SHAPES = ((4, 256, 768), (2, 512, 2048))
 
@@ -120,15 +122,7 @@ def main(argv=None) -> None:
     rows = []
     for shape in SHAPES:
         variants = _variants(shape)
-        best = dict.fromkeys(variants, float("inf"))
-        for fn in variants.values():
-            fn()  # warm-up
-        for _ in range(5):
-            for name, fn in variants.items():
-                start = time.perf_counter()
-                for _ in range(args.repeats):
-                    fn()
-                best[name] = min(best[name], (time.perf_counter() - start) / args.repeats)
+        best = best_of_rounds(variants, rounds=5, repeats=args.repeats)
         row = {"shape": list(shape), "ms": {k: 1e3 * v for k, v in best.items()}}
         rows.append(row)
         print(f"{tuple(shape)}: " + "  ".join(f"{k} {v:.3f}" for k, v in row["ms"].items()) + " ms", flush=True)

@@ -7,7 +7,7 @@ in bf16 with fp32 softmax, so one step's loss agrees to 2% (measured: < 0.5%).
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_names import OpNames
 
 import ipex_train
 import ipex_train.compute_policy as cp
@@ -16,18 +16,6 @@ transformers = pytest.importorskip("transformers")
 
 BF16 = torch.bfloat16
 OURS = "ipex_train.attention_forward"
-
-
-class Ops(TorchDispatchMode):
-    """Names of the ops dispatched inside (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 def tiny_bert(dropout=0.0, implementation="sdpa"):
@@ -60,14 +48,14 @@ def _step(model, **kw):
 
 def test_hugging_face_bert_routed_under_native():
     model = _optimized(tiny_bert().train())
-    with Ops() as ops:
+    with OpNames() as ops:
         loss = _step(model)
     assert ops.names.count(OURS) == 2 and "ipex_train.attention_backward" in ops.names
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     # The same model with torch's attention (the policy detached): the same loss and gradients, to bf16 rounding.
     cp.attached(model).remove()
     model.zero_grad(set_to_none=True)
-    with Ops() as ops:
+    with OpNames() as ops:
         ref = _step(model)
     assert OURS not in ops.names
     assert abs(loss - ref) <= 2e-2 * abs(ref)
@@ -84,11 +72,11 @@ def test_multihead_attention_routed_and_emulated_policy_untouched():
 
     x = torch.randn(2, 10, 32)
     native = _optimized(make())
-    with Ops() as ops:
+    with OpNames() as ops:
         native(x.to(BF16)).float().sum().backward()
     assert OURS in ops.names
     emulated = _optimized(make(), "emulated")
-    with Ops() as ops:
+    with OpNames() as ops:
         out = emulated(x)
         out.float().sum().backward()
     assert OURS not in ops.names and out.dtype == torch.float32
@@ -107,7 +95,7 @@ def test_attention_weights_requested_falls_back():
     # Attention weights need Hugging Face's eager attention, which computes them itself: nothing is routed.
     model = _optimized(tiny_bert(implementation="eager").train())
     ids, mask, labels = _batch()
-    with Ops() as ops:
+    with OpNames() as ops:
         out = model(input_ids=ids, attention_mask=mask, labels=labels, output_attentions=True)
         out.loss.backward()
     assert OURS not in ops.names and all(a is not None for a in out.attentions)
@@ -119,7 +107,7 @@ def test_gradient_checkpointing_recomputes_the_same_dropout():
         if checkpointing:
             model.gradient_checkpointing_enable()
         torch.manual_seed(5)
-        with Ops() as ops:
+        with OpNames() as ops:
             loss = _step(model)
         assert OURS in ops.names
         return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -155,7 +143,7 @@ def test_llama_with_fp32_rotary_embedding_trains():
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=16, attn_implementation="sdpa")
     model = _optimized(transformers.LlamaModel(config))
-    with Ops() as ops:
+    with OpNames() as ops:
         out = model(inputs_embeds=torch.randn(2, 12, 32)).last_hidden_state
         out.float().sum().backward()
     assert OURS in ops.names and torch.isfinite(out.float()).all()

@@ -20,7 +20,7 @@ import pickle
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_names import OpNames
 
 import ipex_train
 import ipex_train.compute_policy as cp
@@ -32,18 +32,6 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 BF16 = torch.bfloat16
 OURS = "ipex_train.rms_norm_forward"
-
-
-class Ops(TorchDispatchMode):
-    """Names of the ops dispatched inside (forward and backward)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 def _module(n, eps=1e-5, dtype=BF16, seed=0):
@@ -69,7 +57,7 @@ def test_forward_bit_identical_to_llama_rms_norm(shape, weight_dtype, x_dtype):
     m = _module(shape[-1], dtype=weight_dtype)
     x = _x(shape, dtype=x_dtype)
     ref = m(x)
-    with Ops() as ops:
+    with OpNames() as ops:
         out = rms_norm(x, m.weight, m.variance_epsilon)
     assert ops.names == [OURS]  # the kernel, not a fallback to the formula
     assert out.dtype == ref.dtype == (BF16 if weight_dtype == x_dtype == BF16 else torch.float32)
@@ -147,7 +135,7 @@ def test_fp32_input_grads_against_float64(shape, weight_dtype):
     m = _module(shape[-1], dtype=weight_dtype)
     x = _x(shape, dtype=torch.float32).requires_grad_()
     g = torch.randn(shape, generator=torch.Generator().manual_seed(2))
-    with Ops() as ops:
+    with OpNames() as ops:
         rms_norm(x, m.weight, m.variance_epsilon).backward(g)
     assert ops.names.count("ipex_train.rms_norm_backward") == 1
     assert x.grad.dtype == torch.float32 and m.weight.grad.dtype == weight_dtype
@@ -160,7 +148,7 @@ def test_fp32_input_grads_against_float64(shape, weight_dtype):
 def test_other_input_dtypes_fall_back_to_the_formula():
     m = _module(40, dtype=torch.float32)
     x = torch.randn(3, 40, dtype=torch.float16, requires_grad=True)
-    with Ops() as ops:
+    with OpNames() as ops:
         out = rms_norm(x, m.weight, m.variance_epsilon)
         out.sum().backward()
     assert OURS not in ops.names
@@ -263,7 +251,7 @@ def test_llama_routed_under_native_and_detach_restores():
     model = _optimized(_llama(), "native")
     norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
     assert len(norms) == 5 and all(cp.routes_rms_norm(m) is False for m in norms)  # already routed
-    with Ops() as ops:
+    with OpNames() as ops:
         loss = _step(model)
     assert ops.names.count(OURS) == 5 and ops.names.count("ipex_train.rms_norm_backward") == 5
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -271,7 +259,7 @@ def test_llama_routed_under_native_and_detach_restores():
     cp.attached(model).remove()
     assert all("forward" not in vars(m) and cp.routes_rms_norm(m) for m in norms)
     model.zero_grad(set_to_none=True)
-    with Ops() as ops:
+    with OpNames() as ops:
         ref = _step(model)
     assert OURS not in ops.names
     assert abs(loss - ref) <= 1e-2 * abs(ref)
@@ -303,7 +291,7 @@ def test_llama_fed_fp32_embeddings_routes_fp32_norms():
         loss.backward()
         return loss.item()
 
-    with Ops() as ops:
+    with OpNames() as ops:
         loss = step()
     assert seen == [torch.float32] * 5
     assert ops.names.count(OURS) == 5 and ops.names.count("ipex_train.rms_norm_backward") == 5
@@ -314,7 +302,7 @@ def test_llama_fed_fp32_embeddings_routes_fp32_norms():
     for m in norms:
         del m.forward
     model.zero_grad(set_to_none=True)
-    with Ops() as ops:
+    with OpNames() as ops:
         ref = step()
     assert OURS not in ops.names
     # The norms' forward is the same bits; their gradients differ from torch's by fp32 rounding only.
@@ -327,7 +315,7 @@ def test_llama_fed_fp32_embeddings_routes_fp32_norms():
 
 def test_emulated_policy_does_not_route():
     model = _optimized(_llama(), "emulated")
-    with Ops() as ops:
+    with OpNames() as ops:
         _step(model)
     assert OURS not in ops.names
     assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, LlamaRMSNorm))
