@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ipex_train.optim import _state_formats
+from ipex_train.optim import state_formats
 
 from . import bench_step as bs
 
@@ -33,7 +33,7 @@ def bytes_per_element(fmt: str) -> float:
     """Minimum bytes per element of a split-bf16 AdamW step with state ``fmt``: the split value read and written
     (4 + 4), the bf16 grad (2), two moments read and written (2 bytes each in bf16; 1 byte plus a 4-byte scale per
     256 elements in int8)."""
-    state = 2.0 if fmt == "bf16_state" else 1.0 + 4.0 / _state_formats.Q8_BLOCK
+    state = 2.0 if fmt == "bf16_state" else 1.0 + 4.0 / state_formats.Q8_BLOCK
     return 4 + 4 + 2 + 2 * 2 * state
 
 
@@ -88,7 +88,7 @@ def bench_size(n: int, args) -> list[dict]:
     failed: dict[str, str] = {}
     for fmt, dtype in FORMATS.items():
         ours = bs.OurStep("adamw", "split_bf16", n, args.tensors)
-        ours.group[_state_formats.GROUP_KEY] = dtype
+        ours.group[state_formats.GROUP_KEY] = dtype
         steps[fmt] = ours
     for name, make in (_peers() if getattr(args, "peers", True) else {}).items():
         if isinstance(make, str):
@@ -165,7 +165,7 @@ def compute_rows(n: int, repeats: int) -> list[dict]:
         steps = {"fp32_state": bs.OurStep("adamw", "split_bf16", n, 1)}
         for fmt, dtype in FORMATS.items():
             steps[fmt] = bs.OurStep("adamw", "split_bf16", n, 1)
-            steps[fmt].group[_state_formats.GROUP_KEY] = dtype
+            steps[fmt].group[state_formats.GROUP_KEY] = dtype
         best = {k: float("inf") for k in steps}
         for _ in range(repeats):
             for name, step in steps.items():

@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 
 from ipex_train import _ops
-from ipex_train.optim import _fused, _layouts, _registry
+from ipex_train.optim import _layouts, fused, registry
 
 # Rows: every registered optimizer, and AdamW (Adam's kernel with decoupled weight decay, its own torch baseline).
-OPTIMIZERS = _registry.NAMES[:2] + ("adamw",) + _registry.NAMES[2:]
+OPTIMIZERS = registry.NAMES[:2] + ("adamw",) + registry.NAMES[2:]
 KIND = {o: "adam" if o == "adamw" else o for o in OPTIMIZERS}
 LAYOUTS = ("fp32", "split_bf16", "bf16_master", "fp16_master", "fp64")
 DEFAULT_LAYOUTS = LAYOUTS[:4]
@@ -54,13 +54,13 @@ BASELINE = {o: {"lamb": "adam", "lars": "sgd"}.get(o, o) for o in OPTIMIZERS}
 
 def optimizer_class(opt: str) -> type:
     """The optimizer class of row ``opt``."""
-    return torch.optim.AdamW if opt == "adamw" else _registry.get(opt).optimizer_class
+    return torch.optim.AdamW if opt == "adamw" else registry.get(opt).optimizer_class
 
 
 def state_tensors(opt: str) -> int:
     """How many state tensors per parameter row ``opt`` keeps with its hyper-parameters."""
     group = optimizer_class(opt)([torch.zeros(1)], **HYPER[opt]).param_groups[0]
-    return sum(s.present(group) for s in _registry.get(KIND[opt]).state)
+    return sum(s.present(group) for s in registry.get(KIND[opt]).state)
 
 
 # Bytes per element of each layout: reading the working value (fp32/fp64, whether plain, split or a master),
@@ -160,7 +160,7 @@ class OurStep:
         self.state = defaultdict(dict)
 
     def __call__(self) -> None:
-        _fused.fused_step(_registry.get(self.kind), self.group, self.state, self.params, self.aux, self.grads)
+        fused.fused_step(registry.get(self.kind), self.group, self.state, self.params, self.aux, self.grads)
 
 
 class TorchStep:

@@ -19,7 +19,7 @@ import time
 import torch
 
 import ipex_train
-from ipex_train.optim import _fused, _registry
+from ipex_train.optim import fused, registry
 
 
 def _time(fn, warmup: int, iters: int) -> float:
@@ -71,7 +71,7 @@ def run(args) -> dict:
         lambda: sx.fused_step("adam", group, st_dev, [p_dev], [None], [g_dev], q), warmup, iters)
     p_cpu, st_cpu = w.clone(), collections.defaultdict(dict)
     results["adam_fp32_kernels_cpu_ms"] = _time(
-        lambda: _fused.fused_step(_registry.get("adam"), group, st_cpu, [p_cpu], [None], [g]), warmup, iters)
+        lambda: fused.fused_step(registry.get("adam"), group, st_cpu, [p_cpu], [None], [g]), warmup, iters)
     p_t = torch.nn.Parameter(w.clone())
     p_t.grad = g.clone()
     opt = torch.optim.Adam([p_t], lr=1e-3, weight_decay=0.01, fused=True)
@@ -87,7 +87,7 @@ def run(args) -> dict:
         steps[f"adamw_split_bf16{state_name}_sycl_cpu_device_ms"] = functools.partial(
             sx.fused_step, "adam", dict(group), collections.defaultdict(dict), [top_dev], [res_dev], [gb_dev], q)
         steps[f"adamw_split_bf16{state_name}_kernels_cpu_ms"] = functools.partial(
-            _fused.fused_step, _registry.get("adam"), dict(group), collections.defaultdict(dict), [top.clone()],
+            fused.fused_step, registry.get("adam"), dict(group), collections.defaultdict(dict), [top.clone()],
             [res.clone()], [gb])
     results.update(_time_interleaved(steps, warmup, iters))
 

@@ -26,7 +26,7 @@ import torch
 
 from . import _ops, _options
 from ._options import parse_bool, parse_choice
-from .optim import _state_formats
+from .optim import state_formats
 
 PREFIX = "IPEX_TRAIN_"
 
@@ -64,11 +64,11 @@ def _parse_bf16_compute(value: Any, where: str) -> str | None:
 def _parse_state_dtype(value: Any, where: str):
     """The public spelling of a state format (None, torch.bfloat16 or "int8"), as OptimizeConfig stores it."""
     if not isinstance(value, str):
-        return _state_formats.public(_state_formats.parse(value, where))
+        return state_formats.public(state_formats.parse(value, where))
     if value.strip().lower() in _options.AUTO:
         return None
     try:
-        return _state_formats.public(_state_formats.parse(value, where))
+        return state_formats.public(state_formats.parse(value, where))
     except ValueError:
         raise ValueError(f"{where}={value!r} is not accepted; use one of bf16, bfloat16, int8, fp32, float32, "
                          "auto") from None

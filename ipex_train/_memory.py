@@ -4,7 +4,7 @@ Four parts per parameter: the weight as stored (fp32, or the bf16/fp16 top), its
 a split bf16 weight or an fp32 master copy), its grad (in the weight's dtype, while the model's grads are alive
 between backward and step; none with step_in_backward) and the optimizer state. Everything that exists is measured
 from the tensors themselves; optimizer state that does not exist yet (before the first step) is predicted from the
-fused optimizer's entry in :mod:`ipex_train.optim._registry` and :func:`state_bytes_per_element`.
+fused optimizer's entry in :mod:`ipex_train.optim.registry` and :func:`state_bytes_per_element`.
 """
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ from torch import Tensor, nn
 from . import _record
 from ._dtensor import local
 from ._training_optimizer import TrainingOptimizer, user_class
-from .optim import _fused, _registry, _state_formats
+from .optim import fused, registry, state_formats
 
 
 def state_bytes_per_element(p: Tensor, group: dict) -> float:
     """Bytes per element of one optimizer state tensor of parameter ``p`` in param group ``group``: the one place
     a state storage format states its size (fp32 state, fp64 for fp64 parameters, or the group's reduced-byte
     ``state_dtype``: bf16 2, int8 one code per element plus one fp32 scale per block)."""
-    fmt = _state_formats.wanted(group, p)
+    fmt = state_formats.wanted(group, p)
     if fmt is None:
-        return _fused.state_dtype(p).itemsize
-    return _state_formats.bytes_per_element(fmt, p.numel())
+        return fused.state_dtype(p).itemsize
+    return state_formats.bytes_per_element(fmt, p.numel())
 
 
 def _nbytes(t: Tensor) -> int:
@@ -137,7 +137,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     grad_sizes = [_nbytes(p.grad if p.grad is not None else p) for p in trained]
     measured = predicted = unknown = 0
     if optimizer is not None:
-        entry = _registry.for_class(user_class(optimizer))  # the state is torch's, fused or not
+        entry = registry.for_class(user_class(optimizer))  # the state is torch's, fused or not
         for group in optimizer.param_groups:
             states = [s for s in entry.state if s.present(group)] if entry is not None else []
             for p in group["params"]:

@@ -87,7 +87,7 @@ def split_bf16(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def q8_encode(x: torch.Tensor, signed: bool) -> torch.Tensor:
     """The packed int8 optimizer state of a 1-D fp32 tensor as the current kernel variant's steps store it (fp32
-    block scales, then int8 codes if ``signed``, else uint8): what ``optim._state_formats.encode`` gives, bit for bit
+    block scales, then int8 codes if ``signed``, else uint8): what ``optim.state_formats.encode`` gives, bit for bit
     (its fake, for tracing, is registered there: that module owns the packed size).
     """
     return ops.q8_encode(x, signed)

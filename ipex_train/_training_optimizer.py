@@ -4,8 +4,8 @@ It is an instance of a subclass of the user's optimizer class, created once per 
 ``isinstance(opt, torch.optim.AdamW)``, LR schedulers, ``add_param_group``, ``zero_grad``, hooks and
 ``state_dict`` are torch's own. Only three methods differ:
 
-* ``step``: per parameter group, ONE fused C++ call (:func:`_fused.fused_step`) over the params with dense grads,
-  for the classes of :mod:`.optim._registry` (SGD / Adam / AdamW / Adagrad / Lamb / Lars) and subclasses that keep
+* ``step``: per parameter group, ONE fused C++ call (:func:`.optim.fused.fused_step`) over the params with dense grads,
+  for the classes of :mod:`.optim.registry` (SGD / Adam / AdamW / Adagrad / Lamb / Lars) and subclasses that keep
   their step. Everything else (sparse
   grads, other optimizer classes, ``fuse_update_step=False``) runs the user's class's own step with each
   low-precision parameter temporarily holding its fp32 value and an fp32 grad, then stores the result back
@@ -37,19 +37,19 @@ from torch import Tensor
 
 from . import _step_in_backward
 from ._master_weights import MasterWeights
-from .optim import _fused, _loaded_state, _registry, _state_formats
-from .optim._registry import unhooked
+from .optim import fused, loaded_state, registry, state_formats
+from .optim.registry import unhooked
 
 
 def has_fused_step(optimizer_class: type) -> bool:
     """Whether a fused kernel steps ``optimizer_class``: a registered class, or a subclass that keeps its step."""
-    return _registry.for_class(optimizer_class) is not None
+    return registry.for_class(optimizer_class) is not None
 
 
 def _like_param(value: Tensor, p: Tensor, clone: bool) -> Tensor:
     """Optimizer state ``value`` of ``p`` in fp32 (fp64 for fp64 params) and, when shaped like ``p``, laid out
     like it (the kernels then need no copies)."""
-    dtype = _fused.state_dtype(p)
+    dtype = fused.state_dtype(p)
     if value.shape == p.shape and value.stride() != p.stride():
         return torch.empty_like(p, dtype=dtype).copy_(value)
     out = value.to(dtype=dtype, device=p.device)
@@ -79,7 +79,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
     """
 
     _user_class: type = torch.optim.Optimizer
-    _fused_entry: _registry.FusedOptimizer | None = None
+    _fused_entry: registry.FusedOptimizer | None = None
 
     def _step(self, closure=None):
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss.
@@ -113,7 +113,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         dense = [p for p in params if entry is not None and not p.grad.is_sparse]
         if dense:
             aux = self._ipex_masters.aux
-            step = _fused.fused_step if self._ipex_sycl is None else self._ipex_sycl.fused_step
+            step = fused.fused_step if self._ipex_sycl is None else self._ipex_sycl.fused_step
             step(entry, group, self.state, dense, [aux.get(p) for p in dense], [p.grad for p in dense])
         return [p for p in params if entry is None or p.grad.is_sparse]
 
@@ -185,8 +185,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
         (the group's, or the default optimize() set) must be a format the step can keep (ValueError otherwise,
         before anything is added)."""
         if isinstance(param_group, dict):
-            key = _state_formats.GROUP_KEY
-            fmt = _state_formats.parse(param_group.get(key, self.defaults.get(key)),
+            key = state_formats.GROUP_KEY
+            fmt = state_formats.parse(param_group.get(key, self.defaults.get(key)),
                                        f"add_param_group(): param group key {key!r}")
             if fmt is not None and fused_entry(self) is None:
                 raise ValueError(f"add_param_group(): param group key {key!r} is {param_group.get(key)!r}, but "
@@ -207,19 +207,19 @@ class TrainingOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, keeping the optimizer state fp32 and the param group dicts the same objects.
 
-        For the fused optimizers' classes the checkpoint's state is checked first (:mod:`._loaded_state`: a
+        For the fused optimizers' classes the checkpoint's state is checked first (:mod:`.loaded_state`: a
         parameter's entry is empty or complete, ``step`` >= 0, state tensors shaped like their parameter); a load
         that raises leaves the optimizer as it was."""
         groups, state = self.param_groups, self.state
         if self._fused_entry is not None:
-            _loaded_state.check_checkpoint(self._fused_entry, state_dict, groups,
+            loaded_state.check_checkpoint(self._fused_entry, state_dict, groups,
                                            f"{self._user_class.__name__}.load_state_dict()")
-        settings = _state_formats.own_settings(groups)
+        settings = state_formats.own_settings(groups)
         super().load_state_dict(state_dict)
         # The new state is built aside and committed last, so that an error on the way changes nothing.
         new_groups, loaded = self.param_groups, self.state
         self.param_groups, self.state = groups, state
-        _state_formats.restore_settings(new_groups, settings)  # this optimizer's state_dtype, not the checkpoint's
+        state_formats.restore_settings(new_groups, settings)  # this optimizer's state_dtype, not the checkpoint's
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         id_map = dict(zip(saved_ids, chain.from_iterable(g["params"] for g in groups)))
         for saved_id, entry in state_dict["state"].items():
@@ -227,7 +227,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
             if p is not None:
                 loaded[p] = _normalised(entry, p, clone=False)
         if fused_entry(self) is not None:
-            _fused.store_state_formats(fused_entry(self), new_groups, loaded)
+            fused.store_state_formats(fused_entry(self), new_groups, loaded)
         if self._ipex_sycl is not None:  # after the re-encoding, which makes new tensors
             for entry in loaded.values():
                 self._ipex_sycl.place_state(entry)
@@ -240,7 +240,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict, with reduced-byte state (param group key ``state_dtype``) as fp32 tensors."""
-        return _state_formats.fp32_state_dict(self, super().state_dict())
+        return state_formats.fp32_state_dict(self, super().state_dict())
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -263,7 +263,7 @@ def training_class(user_class: type) -> type:
     if cls is None:
         cls = type(user_class.__name__, (TrainingOptimizer, user_class), {
             "__module__": __name__, "__qualname__": f"TrainingOptimizer[{user_class.__qualname__}]",
-            "__doc__": user_class.__doc__, "_user_class": user_class, "_fused_entry": _registry.for_class(user_class)})
+            "__doc__": user_class.__doc__, "_user_class": user_class, "_fused_entry": registry.for_class(user_class)})
         _CLASSES[user_class] = cls
     return cls
 
@@ -274,7 +274,7 @@ def _rebuild(user_class: type) -> TrainingOptimizer:
 
 
 def fused_entry(optimizer: torch.optim.Optimizer):
-    """The registry entry (:class:`ipex_train.optim._registry.FusedOptimizer`) whose kernel steps ``optimizer``, or
+    """The registry entry (:class:`ipex_train.optim.registry.FusedOptimizer`) whose kernel steps ``optimizer``, or
     None: not returned by optimize(), no fused step for its class, or ``fuse_update_step=False``."""
     if not isinstance(optimizer, TrainingOptimizer) or not optimizer._ipex_fuse:
         return None

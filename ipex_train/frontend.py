@@ -45,7 +45,7 @@ from ._master_weights import (
 )
 from ._training_optimizer import TrainingOptimizer, has_fused_step, training_optimizer, user_class
 from .config import OptimizeConfig
-from .optim import _state_formats
+from .optim import state_formats
 
 _log = logging.getLogger("ipex_train")
 
@@ -126,8 +126,8 @@ def _step_backend(sycl: bool | None, training: bool):
 
 def _check_state_dtype(state_dtype, optimizer, flags: Flags) -> None:
     """Raise unless the optimizer state can be kept in ``state_dtype`` (and every group's own choice is valid)."""
-    wanted = {state_dtype} | {_state_formats.parse(g.get(_state_formats.GROUP_KEY),
-                                                   f"optimize(): param group {i} key {_state_formats.GROUP_KEY!r}")
+    wanted = {state_dtype} | {state_formats.parse(g.get(state_formats.GROUP_KEY),
+                                                   f"optimize(): param group {i} key {state_formats.GROUP_KEY!r}")
                               for i, g in enumerate(optimizer.param_groups)}
     if wanted == {None}:
         return
@@ -141,8 +141,8 @@ def _set_state_dtype(optimizer: TrainingOptimizer, state_dtype) -> None:
     if state_dtype is None:
         return
     for group in optimizer.param_groups:
-        group.setdefault(_state_formats.GROUP_KEY, state_dtype)
-    optimizer.defaults.setdefault(_state_formats.GROUP_KEY, state_dtype)  # for add_param_group
+        group.setdefault(state_formats.GROUP_KEY, state_dtype)
+    optimizer.defaults.setdefault(state_formats.GROUP_KEY, state_dtype)  # for add_param_group
 
 
 def _convert(model: nn.Module, dtype: torch.dtype | None, flags: Flags, keep_fp32_truth: bool,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ipex_train import _ops
-from ipex_train.optim import _fused, _layouts, _reference, _registry
+from ipex_train.optim import _layouts, _reference, fused, registry
 
 ops = torch.ops.ipex_train
 
@@ -108,7 +108,7 @@ CASES = [
     ("lars", "wd0_no_momentum", dict(weight_decay=0.0, momentum=0.0)),
 ]
 CASE_IDS = [f"{k}-{n}" for k, n, _ in CASES]
-KINDS = _registry.NAMES + ("adamw",)  # every registered optimizer, and AdamW (Adam's kernel, decoupled decay)
+KINDS = registry.NAMES + ("adamw",)  # every registered optimizer, and AdamW (Adam's kernel, decoupled decay)
 
 
 def op_kind(kind: str) -> str:
@@ -116,7 +116,7 @@ def op_kind(kind: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Running the kernel (through _fused.fused_step, the path the optimizers take) and the reference side by side
+# Running the kernel (through fused.fused_step, the path the optimizers take) and the reference side by side
 
 
 def reference_state(kind: str, group: dict, params: list[torch.Tensor]) -> dict[str, list]:
@@ -177,7 +177,7 @@ class Run:
     def step(self, grads: list[torch.Tensor]) -> None:
         """One kernel step with ``grads`` rounded to the layout's grad dtype; the reference gets them upcast."""
         kgrads = [g.to(GRAD_DTYPE[self.layout]) for g in grads]
-        _fused.fused_step(_registry.get(self.kind), self.group, self.state, self.params, self.aux, kgrads)
+        fused.fused_step(registry.get(self.kind), self.group, self.state, self.params, self.aux, kgrads)
         reference_step(self.kind, self.group, self.ref_params, [g.to(work_dtype(self.layout)) for g in kgrads],
                        self.ref_state)
 
@@ -495,7 +495,7 @@ def test_fp32_matches_torch_optim(case, variant):
         for p, g in zip(theirs, grads):
             p.grad = g.clone()
         torch_opt.step()
-        _fused.fused_step(_registry.get(kind), holder.param_groups[0], holder.state, ours, [None] * len(ours), grads)
+        fused.fused_step(registry.get(kind), holder.param_groups[0], holder.state, ours, [None] * len(ours), grads)
     # Relative 1e-6, plus an absolute 1e-6 for results that are small differences of O(1) terms (a momentum buffer
     # or a param near zero): torch's kernels fuse multiply-adds and ours do not, so such results carry a few ulps
     # of the O(1) operands (~1e-7 each), which is large relative to the result itself.
@@ -531,7 +531,7 @@ def test_split_bf16_training_tracks_fp32(variant):
         top.grad = None
         ((xb @ top - yb).float() ** 2).mean().backward()
         with torch.no_grad():
-            _fused.fused_step(_registry.get("adam"), group, state, [top], [res], [top.grad])
+            fused.fused_step(registry.get("adam"), group, state, [top], [res], [top.grad])
     w_split = _ops.combine_bf16(top.detach(), res)
     loss0 = float(((x @ w0 - y) ** 2).mean())
     loss32 = float(((x @ w32.detach() - y) ** 2).mean())
@@ -564,7 +564,7 @@ def call_op(kind: str, g: dict, params, aux, grads, states, steps) -> None:
                       g["epsilon"])
 
 
-N_STATES = {o.name: len(o.state) for o in _registry.OPTIMIZERS}
+N_STATES = {o.name: len(o.state) for o in registry.OPTIMIZERS}
 SHAPE4 = (3, 6, 5, 7)
 
 
@@ -595,7 +595,7 @@ ARRANGEMENTS = {
 
 @pytest.mark.parametrize("arrangement", sorted(ARRANGEMENTS))
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", _registry.NAMES)
+@pytest.mark.parametrize("kind", registry.NAMES)
 def test_strided_tensors_match_contiguous(kind, layout, arrangement):
     how = ARRANGEMENTS[arrangement]
     group = make_group(kind, "strided")

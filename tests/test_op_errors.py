@@ -1,7 +1,7 @@
 """Bad arguments to the fused steps raise a Python exception naming the argument, and never kill the process.
 
 On one machine (torch 2.11, the extension built with that machine's g++) an exception thrown inside the C++ ops
-killed the process with SIGSEGV. So (1) the Python entry point of every fused step (optim._fused.fused_step, and
+killed the process with SIGSEGV. So (1) the Python entry point of every fused step (optim.fused.fused_step, and
 the SYCL one) checks its arguments before it enters C++ (shown here by making any C++ call fail the test), and
 (2) the calls that crashed there run in a child process here, so a crash is a failed test, not a dead runner.
 """
@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from ipex_train.optim import _checks, _fused, _layouts, _registry
+from ipex_train.optim import _layouts, checks, fused, registry
 
 SGD = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
 ADAM = dict(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False,
@@ -35,7 +35,7 @@ class _NoKernels:
 
 @pytest.fixture
 def no_kernels(monkeypatch):
-    monkeypatch.setattr(_fused, "ops", _NoKernels())
+    monkeypatch.setattr(fused, "ops", _NoKernels())
 
 
 def _f32(n=2, shape=(4,)):
@@ -91,19 +91,19 @@ def _fused_args(kind, make):
         state = _state_with(kind, params, step=torch.tensor(-1.0), exp_avg=torch.zeros(4), exp_avg_sq=torch.zeros(4))
     else:
         state = collections.defaultdict(dict)
-    return _registry.get(kind), dict(group), state, params, aux, grads
+    return registry.get(kind), dict(group), state, params, aux, grads
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_fused_step_refuses_before_cpp(case, no_kernels):
     kind, make, exc, match = CASES[case]
     with pytest.raises(exc, match=match):
-        _fused.fused_step(*_fused_args(kind, make))
+        fused.fused_step(*_fused_args(kind, make))
 
 
 def test_good_call_reaches_the_kernel(no_kernels):
     with pytest.raises(AssertionError, match="ipex_train::adam_step was called"):
-        _fused.fused_step(_registry.get("adam"), dict(ADAM), collections.defaultdict(dict), _f32(), [None, None],
+        fused.fused_step(registry.get("adam"), dict(ADAM), collections.defaultdict(dict), _f32(), [None, None],
                           _f32())
 
 
@@ -115,7 +115,7 @@ def test_good_call_reaches_the_kernel(no_kernels):
 ])
 def test_step_counters(steps, match):
     with pytest.raises(ValueError, match=match):
-        _checks.check_step_args("op", _f32(), [], _f32(), {"exp_avgs": _f32()}, steps)
+        checks.check_step_args("op", _f32(), [], _f32(), {"exp_avgs": _f32()}, steps)
 
 
 def test_layouts_of_every_storage():
@@ -126,16 +126,16 @@ def test_layouts_of_every_storage():
     states = {"s": [torch.zeros(2, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
                     for p in params]}
     expected = [lay.code for lay in _layouts.LAYOUTS]
-    assert _checks.check_step_args("op", params, aux, grads, states) == expected
+    assert checks.check_step_args("op", params, aux, grads, states) == expected
     # The named checks (taken when the quick pass sees a problem) find the same layouts.
-    assert _checks._named_checks("op", params, aux, grads, states, ("cpu", "", False)) == expected
+    assert checks._named_checks("op", params, aux, grads, states, ("cpu", "", False)) == expected
 
 
 # The raw-op calls that crashed the process on the lent Xeon, plus the same mistakes through fused_step.
 _CHILD = textwrap.dedent("""
     import collections, json, sys, torch
     import ipex_train
-    from ipex_train.optim import _fused, _registry
+    from ipex_train.optim import fused, registry
     ops = torch.ops.ipex_train
     f32 = lambda n=2: [torch.zeros(4) for _ in range(n)]
     def adam(params, aux, grads, m, v, steps):
@@ -152,7 +152,7 @@ _CHILD = textwrap.dedent("""
         "adam_exp_avg_sqs": lambda: adam(f32(), [None, None], f32(), f32(), f32(1), one),
         "adam_steps": lambda: adam(f32(), [None, None], f32(), f32(), f32(), one[:1]),
         "adam_step_zero": lambda: adam(f32(1), [None], f32(1), f32(1), f32(1), [torch.tensor(0.0)]),
-        "fused_grads": lambda: _fused.fused_step(_registry.get("sgd"), dict(lr=0.1, momentum=0.9, dampening=0.0,
+        "fused_grads": lambda: fused.fused_step(registry.get("sgd"), dict(lr=0.1, momentum=0.9, dampening=0.0,
                                                                             weight_decay=0.0, nesterov=False,
                                                                             maximize=False),
                                                  collections.defaultdict(dict), f32(), [None, None], f32(1)),

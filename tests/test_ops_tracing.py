@@ -66,7 +66,7 @@ def test_fake_tensor_mode():
 @pytest.mark.parametrize("op", STEP_OPS)
 @pytest.mark.parametrize("layout", ("fp32", "split_bf16"))
 def test_opcheck_step_ops(op, layout):
-    # fp32 params pass aux as an empty list (what _fused.fused_step does): torch's auto_functionalize v2 (used by
+    # fp32 params pass aux as an empty list (what fused.fused_step does): torch's auto_functionalize v2 (used by
     # test_aot_dispatch_dynamic and torch.compile) cannot handle a None inside a mutable Tensor?[] list, see the
     # xfail below.
     args = step_args(op, layout)

@@ -12,27 +12,27 @@ from torch import nn
 
 import ipex_train
 from ipex_train import OptimizeConfig, _ops
-from ipex_train.optim import Lamb, Lars, _fused, _registry
+from ipex_train.optim import Lamb, Lars, fused, registry
 from ipex_train.optim import functional as F
 
 ops = torch.ops.ipex_train
 
 
 def test_registry_matches_the_kernels():
-    assert set(_registry.NAMES) == set(_ops.optimizer_names())
-    for entry in _registry.OPTIMIZERS:
+    assert set(registry.NAMES) == set(_ops.optimizer_names())
+    for entry in registry.OPTIMIZERS:
         assert hasattr(ops, f"{entry.name}_step")
-        assert _registry.for_class(entry.optimizer_class) is entry
-    assert _registry.for_class(torch.optim.AdamW).name == "adam"
-    assert _registry.for_class(torch.optim.RMSprop) is None
+        assert registry.for_class(entry.optimizer_class) is entry
+    assert registry.for_class(torch.optim.AdamW).name == "adam"
+    assert registry.for_class(torch.optim.RMSprop) is None
 
     class OwnStep(torch.optim.SGD):
         def step(self, closure=None):
             return super().step(closure)
 
-    assert _registry.for_class(OwnStep) is None
+    assert registry.for_class(OwnStep) is None
     with pytest.raises(ValueError, match="kind must be one of"):
-        _registry.get("rmsprop")
+        registry.get("rmsprop")
 
 
 def test_supported_variants_leave_the_variant_in_use_alone():
@@ -109,7 +109,7 @@ def test_functional_matches_the_fused_step_bit_for_bit(name):
     state_f, state_k = collections.defaultdict(dict), collections.defaultdict(dict)
     for _ in range(3):
         _functional_step(name, group, state_f, ours, grads)
-        _fused.fused_step(_registry.get(name), group, state_k, params, [None] * len(params), grads)
+        fused.fused_step(registry.get(name), group, state_k, params, [None] * len(params), grads)
     for a, b in zip(ours, params):
         assert torch.equal(a, b)
         for key, value in state_k[b].items():
@@ -128,7 +128,7 @@ def test_functional_takes_split_bf16_storage():
     state = collections.defaultdict(dict)
     ref_top, ref_res = zip(*(_ops.split_bf16(p) for p in w))
     group = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0, eps=1e-8)
-    _fused.fused_step(_registry.get("adam"), group, state, list(ref_top), list(ref_res), g16)
+    fused.fused_step(registry.get("adam"), group, state, list(ref_top), list(ref_res), g16)
     for a, b, ra, rb in zip(tops, ref_top, res, ref_res):
         assert torch.equal(a, b) and torch.equal(ra, rb)
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from test_state_formats import _mlp, _train
 
 import ipex_train
-from ipex_train.optim import _state_formats as sf
+from ipex_train.optim import state_formats as sf
 
 # fp32 state, bf16, int8: what optimize(optimizer_state_dtype=...) takes, and the state dtype of a big weight.
 FORMATS = {"fp32": (None, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16), "int8": ("int8", torch.int8)}

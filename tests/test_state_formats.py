@@ -20,9 +20,9 @@ from test_kernels import CASES, make_group, op_kind, reference_state, reference_
 
 import ipex_train
 from ipex_train import _ops
-from ipex_train.optim import _fused, _registry
-from ipex_train.optim import _state_formats as sf
 from ipex_train.optim import functional as F
+from ipex_train.optim import fused, registry
+from ipex_train.optim import state_formats as sf
 
 FORMATS = {"bf16": torch.bfloat16, "int8": "int8"}
 SHAPES = ((4096,), (67, 71), (75_013,), (17,))  # whole blocks; a partial block, 2-D; several chunks; small (fp32)
@@ -51,13 +51,13 @@ def test_kernel_matches_reference(kind, name, overrides, layout, fmt):
     check_against_reference(kind, name, overrides, layout, fmt)
 
 
-def check_against_reference(kind, name, overrides, layout, fmt, step_fn=_fused.fused_step, place=lambda t: t):
-    """Two steps of ``step_fn`` (``_fused.fused_step`` or the SYCL one) with ``fmt`` state against the reference,
+def check_against_reference(kind, name, overrides, layout, fmt, step_fn=fused.fused_step, place=lambda t: t):
+    """Two steps of ``step_fn`` (``fused.fused_step`` or the SYCL one) with ``fmt`` state against the reference,
     within the module docstring's tolerances; ``place`` puts the stored params, aux and grads where ``step_fn`` takes
     them (USM for the SYCL step)."""
     group = make_group(kind, name, **overrides)
     group[sf.GROUP_KEY] = FORMATS[fmt]
-    entry = _registry.get(op_kind(kind))
+    entry = registry.get(op_kind(kind))
     # A fixed seed per case: Python's str hash changes per process. Some draws put an L2-decayed grad within
     # a few ulps of cancelling (|g + wd*p| ~ eps), where fp32 FMA vs separate rounding moves the update ~1e-4.
     stored = [(place(p), None if a is None else place(a))
@@ -79,7 +79,7 @@ def check_against_reference(kind, name, overrides, layout, fmt, step_fn=_fused.f
                               sf.convert(t.float(), p, sf.wanted(group, p), spec.signed), p)
                     for p, t in zip(params, ref_state[spec.key])]
         w_before = [w.clone() for w in w_ref]
-        step_fn(_registry.get(op_kind(kind)), group, state, params, aux, grads)
+        step_fn(registry.get(op_kind(kind)), group, state, params, aux, grads)
         reference_step(op_kind(kind), group, w_ref, [g.float() for g in grads], ref_state)
         for i, p in enumerate(params):
             if kind == "lamb" and p.numel() >= sf.MIN_NUMEL:
@@ -136,7 +136,7 @@ def test_variants_bit_identical(kind, fmt):
             gen = torch.Generator().manual_seed(2)
             for _ in range(3):
                 grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
-                _fused.fused_step(_registry.get(kind), g, state, params, aux, grads)
+                fused.fused_step(registry.get(kind), g, state, params, aux, grads)
             results[v] = [t.view(torch.uint8) if t.dtype != torch.uint8 else t
                           for p, a in zip(params, aux) for t in [p, a, *state[p].values()] if t.dim() > 0]
     finally:

@@ -1,7 +1,7 @@
 """kernels_xpu on a real SYCL device (here the SYCL CPU device: Intel's OpenCL CPU driver from intel-opencl-rt).
 
 Every kernel x storage layout runs on the device and is compared with
-  - the CPU kernels (torch.ops.ipex_train.*_step via _fused.fused_step): bit-identical for the elementwise steps
+  - the CPU kernels (torch.ops.ipex_train.*_step via fused.fused_step): bit-identical for the elementwise steps
     (SGD, Adam/AdamW, Adagrad; the SYCL kernels are built to round as kernels_cpu does), and within
     rtol = atol = 1e-6 for Lamb and Lars, whose norms are summed in another order (work-group sums vs 16 lanes);
   - the plain PyTorch reference (ipex_train/optim/_reference.py) on the fp32/fp64 working values:
@@ -24,7 +24,7 @@ from sycl_required import need_sycl_device
 
 import ipex_train
 import ipex_train.xpu as sx
-from ipex_train.optim import _fused, _reference, _registry
+from ipex_train.optim import _reference, fused, registry
 
 need_sycl_device(module=True)
 
@@ -142,7 +142,7 @@ def test_step_matches_cpu_kernels_and_reference(queue, kind, cfg_index, layout):
     cpu_state, dev_state, ref_state = collections.defaultdict(dict), collections.defaultdict(dict), {}
     for step in range(1, STEPS + 1):
         gs = _grads(cpu, gen)
-        _fused.fused_step(_registry.get(kind), group, cpu_state, [p.param for p in cpu], [p.aux for p in cpu], gs)
+        fused.fused_step(registry.get(kind), group, cpu_state, [p.param for p in cpu], [p.aux for p in cpu], gs)
         sx.fused_step(kind, group, dev_state, [p.param for p in dev], [p.aux for p in dev],
                       [sx.to_usm(g, queue) for g in gs], queue)
         _reference_step(kind, cfg, ws, [g.to(ws[0].dtype) for g in gs], ref_state, step)
@@ -218,11 +218,11 @@ def test_training_run_matches_cpu_path(queue, opt_cls, kind):
             loss.backward()
             for group in opt.param_groups:
                 ps = [p for p in group["params"] if p.grad is not None]
-                args = (_registry.get(kind), group, opt.state, ps, [None] * len(ps), [p.grad for p in ps])
+                args = (registry.get(kind), group, opt.state, ps, [None] * len(ps), [p.grad for p in ps])
                 if use_sycl:
                     sx.fused_step(*args, queue)
                 else:
-                    _fused.fused_step(*args)
+                    fused.fused_step(*args)
             if use_sycl:
                 losses.append(loss.item())
     assert all(sx.is_usm(p.grad, queue) for p in dev_model.parameters()), "autograd moved a grad out of USM"
@@ -304,6 +304,6 @@ def test_torch_xpu_tensors_match_cpu_kernels():
     gen = torch.Generator().manual_seed(3)
     p, g = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
     cp, xp = p.clone(), p.to("xpu")
-    _fused.fused_step(_registry.get("adam"), cfg, collections.defaultdict(dict), [cp], [None], [g])
+    fused.fused_step(registry.get("adam"), cfg, collections.defaultdict(dict), [cp], [None], [g])
     sx.fused_step("adam", cfg, collections.defaultdict(dict), [xp], [None], [g.to("xpu")])
     torch.testing.assert_close(xp.cpu(), cp, rtol=1e-6, atol=1e-6)

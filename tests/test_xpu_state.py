@@ -28,8 +28,8 @@ from test_state_formats import FORMATS, SHAPES, STATE_CASES, _mlp, _train, check
 
 import ipex_train
 import ipex_train.xpu as sx
-from ipex_train.optim import _fused, _registry
-from ipex_train.optim import _state_formats as sf
+from ipex_train.optim import fused, registry
+from ipex_train.optim import state_formats as sf
 
 need_sycl_device(module=True)
 
@@ -80,7 +80,7 @@ def test_sycl_matches_cpu_kernels(queue, kind, name, overrides, layout, fmt):
     cpu_state, dev_state = collections.defaultdict(dict), collections.defaultdict(dict)
     for _ in range(3):
         grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p, _ in cpu]
-        _fused.fused_step(_registry.get(op_kind(kind)), cpu_group, cpu_state, *map(list, zip(*cpu)), grads)
+        fused.fused_step(registry.get(op_kind(kind)), cpu_group, cpu_state, *map(list, zip(*cpu)), grads)
         sx.fused_step(op_kind(kind), dev_group, dev_state, *map(list, zip(*dev)),
                       [sx.to_usm(g, queue) for g in grads], queue)
     assert dev_group[sf.ROUNDS_KEY] == cpu_group[sf.ROUNDS_KEY] == 3
@@ -99,7 +99,7 @@ def test_sycl_matches_cpu_kernels(queue, kind, name, overrides, layout, fmt):
             off = ~torch.isclose(w, ref, rtol=1e-6, atol=1e-6)
             assert float(off.float().mean()) <= 1e-3, f"params[{i}]: {int(off.sum())} elements differ"
             assert float((w - ref).abs().max()) <= 1e-3 * float(ref.abs().max()), f"params[{i}]"
-        for spec in _registry.get(op_kind(kind)).state:
+        for spec in registry.get(op_kind(kind)).state:
             c, d = cpu_state[cp].get(spec.key), dev_state[dp].get(spec.key)
             if c is None:
                 assert d is None

@@ -1,9 +1,9 @@
 """Optimizers torch.optim lacks (Lamb, Lars), the fused steps as typed functions (:mod:`.functional`), and the
 fused update used by ipex_train.optimize()."""
-from . import _fused, functional
+from . import functional, fused
 from .lamb import Lamb
 from .lars import Lars
 
-_fused.check_against_kernels()  # after Lamb and Lars have registered their entries
+fused.check_against_kernels()  # after Lamb and Lars have registered their entries
 
 __all__ = ["Lamb", "Lars", "functional"]

@@ -7,8 +7,8 @@ import torch
 from torch import Tensor
 
 from .._options import OptionTypeError
-from . import _fused, _loaded_state, _state_formats
-from ._registry import FusedOptimizer
+from . import fused, loaded_state, state_formats
+from .registry import FusedOptimizer
 
 
 def check_nonneg(name: str, value: Any) -> None:
@@ -40,7 +40,7 @@ def can_fuse(params: list[Tensor]) -> bool:
 class FusableOptimizer(torch.optim.Optimizer):
     """A torch.optim.Optimizer whose step runs either the fused C++ kernel or the plain PyTorch reference.
 
-    Subclasses set ``FUSED`` (their entry, registered with :func:`._registry.register`) and define
+    Subclasses set ``FUSED`` (their entry, registered with :func:`.registry.register`) and define
     ``_reference_step(group, params, grads, state_lists)``, which runs their rule from ``_reference``.
     """
 
@@ -49,39 +49,39 @@ class FusableOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict[str, Any], fused: bool | None, state_dtype=None):
         if fused is not None and not isinstance(fused, bool):
             raise OptionTypeError(f"fused must be None, True or False, got {fused!r}")
-        _state_formats.parse(state_dtype, "state_dtype")
+        state_formats.parse(state_dtype, "state_dtype")
         defaults = dict(defaults, fused=fused)
         if state_dtype is not None:  # a group key only when asked for: checkpoints stay as they were otherwise
-            defaults[_state_formats.GROUP_KEY] = state_dtype
+            defaults[state_formats.GROUP_KEY] = state_dtype
         super().__init__(params, defaults)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict, with reduced-byte state (``state_dtype``) as fp32 tensors."""
-        return _state_formats.fp32_state_dict(self, super().state_dict())
+        return state_formats.fp32_state_dict(self, super().state_dict())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group as torch does; its ``state_dtype`` key, when it has one, must be a valid format."""
         if isinstance(param_group, dict):
-            _state_formats.parse(param_group.get(_state_formats.GROUP_KEY),
-                                 f"{type(self).__name__}: param group key {_state_formats.GROUP_KEY!r}")
+            state_formats.parse(param_group.get(state_formats.GROUP_KEY),
+                                 f"{type(self).__name__}: param group key {state_formats.GROUP_KEY!r}")
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, then store the state in each group's own ``state_dtype`` (the one this optimizer
-        was created with, not the checkpoint's: see :func:`._state_formats.restore_settings`). The checkpoint's state
-        is checked first (:mod:`._loaded_state`); a load that raises changes nothing."""
-        _loaded_state.check_checkpoint(self.FUSED, state_dict, self.param_groups,
+        was created with, not the checkpoint's: see :func:`.state_formats.restore_settings`). The checkpoint's state
+        is checked first (:mod:`.loaded_state`); a load that raises changes nothing."""
+        loaded_state.check_checkpoint(self.FUSED, state_dict, self.param_groups,
                                        f"{type(self).__name__}.load_state_dict()")
-        settings = _state_formats.own_settings(self.param_groups)
+        settings = state_formats.own_settings(self.param_groups)
         super().load_state_dict(state_dict)
-        _state_formats.restore_settings(self.param_groups, settings)
-        _fused.store_state_formats(self.FUSED, self.param_groups, self.state)
+        state_formats.restore_settings(self.param_groups, settings)
+        fused.store_state_formats(self.FUSED, self.param_groups, self.state)
 
     def _use_fused(self, group: dict[str, Any], params: list[Tensor]) -> bool:
         fused = group.get("fused")
-        if _state_formats.parse(group.get(_state_formats.GROUP_KEY), "state_dtype") is not None:
+        if state_formats.parse(group.get(state_formats.GROUP_KEY), "state_dtype") is not None:
             if fused is False or not can_fuse(params):
-                raise RuntimeError(f"{type(self).__name__}(state_dtype={group[_state_formats.GROUP_KEY]!r}) keeps "
+                raise RuntimeError(f"{type(self).__name__}(state_dtype={group[state_formats.GROUP_KEY]!r}) keeps "
                                    "reduced-byte state, which only the fused kernel steps: use fused=None/True with "
                                    "dense CPU float32 parameters (ipex_train.optimize() for bfloat16 models)")
             return True
@@ -108,7 +108,7 @@ class FusableOptimizer(torch.optim.Optimizer):
                 continue
             grads = [p.grad for p in params]
             if self._use_fused(group, params):
-                _fused.fused_step(self.FUSED, group, self.state, params, [None] * len(params), grads)
+                fused.fused_step(self.FUSED, group, self.state, params, [None] * len(params), grads)
             else:
-                self._reference_step(group, params, grads, _fused.state_lists(self.FUSED, group, self.state, params))
+                self._reference_step(group, params, grads, fused.state_lists(self.FUSED, group, self.state, params))
         return loss

@@ -1,7 +1,7 @@
 """A checkpoint loaded into the optimizer of a model sharded with FSDP2, checked on every rank before anything is
 loaded on any of them.
 
-The checks are the one-process ones (:mod:`._loaded_state`: entries empty or complete, ``step`` a finite number
+The checks are the one-process ones (:mod:`.loaded_state`: entries empty or complete, ``step`` a finite number
 >= 0, state tensors floating point and shaped like their parameter), plus the layout shards need: a state tensor
 shaped like a sharded parameter is a DTensor laid out like it (``get_state_dict``/``set_state_dict`` and this
 optimizer's ``state_dict()`` give those; a plain whole tensor would meet the shard only at the step). A rank's
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from . import _loaded_state
-from ._registry import FusedOptimizer
+from . import loaded_state
+from .registry import FusedOptimizer
 
 
 def _check_groups(state_dict: Any, groups: Sequence[Mapping[str, Any]], where: str) -> None:
@@ -62,7 +62,7 @@ def _problem(entry: FusedOptimizer | None, state_dict: Any, groups: Sequence[Map
     try:
         _check_groups(state_dict, groups, where)
         if entry is not None:
-            _loaded_state.check_checkpoint(entry, state_dict, groups, where)
+            loaded_state.check_checkpoint(entry, state_dict, groups, where)
         _check_layouts(state_dict, groups, where)
     except (ValueError, TypeError) as e:
         return e

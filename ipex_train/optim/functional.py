@@ -9,7 +9,7 @@ Each call is one C++ kernel call for the whole list. Tensors are dense CPU tenso
 float64, or 16-bit with ``aux`` holding each one's fp32 truth (an int16 residual for a split bf16 parameter, or a
 float32 master for a bf16/fp16 one; None for a float32/float64 parameter). Optimizer state is float32 (float64
 for float64 parameters) and shaped like its parameter, or reduced-byte state (bf16 shaped like the parameter, or the
-packed int8/uint8 tensors of ipex_train/optim/_state_formats.py; ``state_key`` then keys the stochastic rounding of
+packed int8/uint8 tensors of ipex_train/optim/state_formats.py; ``state_key`` then keys the stochastic rounding of
 bf16 state: the same key and inputs give the same bits). As in torch's functional forms, ``state_steps`` (one-element
 float tensors) count the steps taken and are incremented here. Errors name the argument (ValueError/TypeError).
 """
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .._ops import ops
-from ._fused import state_dtype
+from .fused import state_dtype
 
 __all__ = ["adagrad", "adam", "lamb", "lars", "sgd"]
 

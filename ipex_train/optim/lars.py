@@ -7,7 +7,7 @@ from torch import Tensor
 
 from . import _reference
 from ._base import FusableOptimizer, check_nonneg
-from ._registry import FusedOptimizer, Hyper, State, register
+from .registry import FusedOptimizer, Hyper, State, register
 
 
 class Lars(FusableOptimizer):

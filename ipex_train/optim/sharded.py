@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from . import _fused, _sharded_load, _state_formats
-from ._registry import FusedOptimizer
+from . import _sharded_load, fused, state_formats
 from .lamb import Lamb
 from .lars import Lars
+from .registry import FusedOptimizer
 
 # Optimizers whose update needs whole-parameter norms: stepped by _norm_step, not the per-shard kernel.
 NORM_CLASSES = (Lamb, Lars)
@@ -72,7 +72,7 @@ def step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapping[Ten
         return
     local = _local_state(state, params)
     lp = [p._local_tensor for p in params]
-    _fused.fused_step(entry, group, local, lp, [None] * len(lp), [p.grad._local_tensor for p in params])
+    fused.fused_step(entry, group, local, lp, [None] * len(lp), [p.grad._local_tensor for p in params])
     _store_state(state, params, local)
 
 
@@ -99,18 +99,18 @@ def _global_norms(params: list[DTensor], a: list[Tensor], b: list[Tensor]) -> tu
 
 
 class _Working:
-    """The state lists of one Lamb/Lars shard step in fp32: reduced-byte state (:mod:`._state_formats`) decoded
+    """The state lists of one Lamb/Lars shard step in fp32: reduced-byte state (:mod:`.state_formats`) decoded
     for the update and stored back in its format by :meth:`settle`, as the kernels do per block."""
 
     def __init__(self, entry: FusedOptimizer, group: dict[str, Any], local: dict[Tensor, dict], params: list[Tensor],
                  lists: dict[str, list]):
         self.local, self.params, self.lists = local, params, dict(lists)
         self.signed = {spec.key: spec.signed for spec in entry.state if lists[spec.key]}
-        self.reduced = {k: [_state_formats.format_of(t) for t in lists[k]] for k in self.signed}
+        self.reduced = {k: [state_formats.format_of(t) for t in lists[k]] for k in self.signed}
         self.any_reduced = any(f is not None for fmts in self.reduced.values() for f in fmts)
-        self.key = _state_formats.call_key(group) if self.any_reduced else 0
+        self.key = state_formats.call_key(group) if self.any_reduced else 0
         for k, fmts in self.reduced.items():
-            self.lists[k] = [t if f is None else _state_formats.decode(t, p)
+            self.lists[k] = [t if f is None else state_formats.decode(t, p)
                              for t, p, f in zip(lists[k], params, fmts)]
 
     def settle(self, key: str) -> list[Tensor]:
@@ -124,12 +124,12 @@ class _Working:
             if fmt is None:
                 settled.append(x)
                 continue
-            if fmt is _state_formats.StateFormat.BF16:
-                stored = _state_formats.encode_bf16_stochastic(x, _state_formats.param_key(self.key, i))
+            if fmt is state_formats.StateFormat.BF16:
+                stored = state_formats.encode_bf16_stochastic(x, state_formats.param_key(self.key, i))
             else:
-                stored = _state_formats.encode(x, p, fmt, self.signed[key])
+                stored = state_formats.encode(x, p, fmt, self.signed[key])
             self.local[p][key] = stored
-            settled.append(_state_formats.decode(stored, p))
+            settled.append(state_formats.decode(stored, p))
         return settled
 
 
@@ -140,7 +140,7 @@ def _norm_step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMappi
     local = _local_state(state, params)
     lp = [p._local_tensor for p in params]
     grads = [p.grad._local_tensor for p in params]
-    work = _Working(entry, group, local, lp, _fused.state_lists(entry, group, local, lp))
+    work = _Working(entry, group, local, lp, fused.state_lists(entry, group, local, lp))
     rule = _lamb if issubclass(entry.optimizer_class, Lamb) else _lars
     rule(group, lp, grads, work, params)
     _store_state(state, params, local)
@@ -194,8 +194,8 @@ def _fp32(value: Tensor, p: Tensor) -> Tensor:
         return value
     shard = value._local_tensor if isinstance(value, DTensor) else value
     if not isinstance(p, DTensor):
-        return _state_formats.decode(shard, p)
-    decoded = _state_formats.decode(shard, p._local_tensor)
+        return state_formats.decode(shard, p)
+    decoded = state_formats.decode(shard, p._local_tensor)
     return DTensor.from_local(decoded, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                               run_check=False)
 
@@ -222,11 +222,11 @@ def load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     it."""
     groups = optimizer.param_groups
     _sharded_load.check(entry, state_dict, groups, where)
-    settings = _state_formats.own_settings(groups)
+    settings = state_formats.own_settings(groups)
     torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
     for old, new in zip(groups, optimizer.param_groups):
         if old is not new:
             old.clear()
             old.update(new)
     optimizer.param_groups = groups
-    _state_formats.restore_settings(groups, settings)
+    state_formats.restore_settings(groups, settings)

@@ -1,6 +1,6 @@
 """The step backend optimize(sycl=True) hands the optimizer it returns: where the fused step runs, and where
 parameters and optimizer state must live for it. The plain CPU step needs no backend (the optimizer then calls
-:func:`ipex_train.optim._fused.fused_step` and moves nothing)."""
+:func:`ipex_train.optim.fused.fused_step` and moves nothing)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -43,7 +43,7 @@ class SyclBackend:
 
     def fused_step(self, entry, group: dict[str, Any], state: dict, params: list[Tensor],
                    aux: list[Tensor | None], grads: list[Tensor]) -> None:
-        """:func:`ipex_train.optim._fused.fused_step`'s arguments (``entry``: the registry entry), run on the queue."""
+        """:func:`ipex_train.optim.fused.fused_step`'s arguments (``entry``: the registry entry), run on the queue."""
         grads = [self._usm_grad(p, g) for p, g in zip(params, grads)]
         _steps.fused_step(entry, group, state, params, aux, grads, self.queue)
 

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from .. import _envvars
-from ..optim._registry import NAMES
+from ..optim.registry import NAMES
 from . import _env
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

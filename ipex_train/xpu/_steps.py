@@ -1,5 +1,5 @@
 """The fused optimizer steps and bf16 split/combine on a SYCL queue, with the same arguments, storage layouts and
-state as :func:`ipex_train.optim._fused.fused_step` and the ``torch.ops.ipex_train`` ops."""
+state as :func:`ipex_train.optim.fused.fused_step` and the ``torch.ops.ipex_train`` ops."""
 from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence
@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..optim import _fused, _registry, _state_formats
-from ..optim._checks import check_dense, check_same_shape, check_step_args
-from ..optim._registry import FusedOptimizer
+from ..optim import fused, registry, state_formats
+from ..optim.checks import check_dense, check_same_shape, check_step_args
+from ..optim.registry import FusedOptimizer
 from . import _device, _runtime, _usm
 
 _USM_RULE = "the SYCL steps take USM-backed CPU tensors (ipex_train.xpu.to_usm)"
@@ -19,7 +19,7 @@ _USM_RULE = "the SYCL steps take USM-backed CPU tensors (ipex_train.xpu.to_usm)"
 def _slots(op: str, params: list, aux: list, grads: list, states: dict[str, list]) -> list[tuple]:
     """Check one group (raising with the argument's name) and return the per-parameter tuples the runtime takes:
     (layout, numel, param, aux, grad, state0, state1, state2) with addresses, 0 where absent, then the formats of
-    the three states (:data:`ipex_train.optim._state_formats.CODECS`, 0 for fp32/fp64)."""
+    the three states (:data:`ipex_train.optim.state_formats.CODECS`, 0 for fp32/fp64)."""
     device_type = params[0].device.type if params and isinstance(params[0], Tensor) else "cpu"
     rule = (f"params[0] is on {device_type}; all tensors of a step must be USM-backed CPU tensors "
             "(ipex_train.xpu.to_usm) or all torch XPU tensors")
@@ -29,7 +29,7 @@ def _slots(op: str, params: list, aux: list, grads: list, states: dict[str, list
     for i, layout in enumerate(layouts):
         ptrs = [lst[i].data_ptr() for lst in states.values()]
         ptrs += [0] * (3 - len(ptrs))
-        codecs = [_state_formats.CODECS.get(lst[i].dtype, 0) for lst in states.values()]
+        codecs = [state_formats.CODECS.get(lst[i].dtype, 0) for lst in states.values()]
         codecs += [0] * (3 - len(codecs))
         a = aux[i] if aux else None
         out.append((layout, params[i].numel(), params[i].data_ptr(), 0 if a is None else a.data_ptr(),
@@ -55,11 +55,11 @@ def _to_usm_state(entry: FusedOptimizer, state: MutableMapping[Tensor, dict], pa
 
 def fused_step(kind: str | FusedOptimizer, group: dict[str, Any], state: MutableMapping[Tensor, dict],
                params: Sequence[Tensor], aux: Sequence[Tensor | None], grads: Sequence[Tensor], queue=None) -> None:
-    """One step of optimizer ``kind`` (a name of :mod:`ipex_train.optim._registry`: "sgd", "adam", "adagrad",
+    """One step of optimizer ``kind`` (a name of :mod:`ipex_train.optim.registry`: "sgd", "adam", "adagrad",
     "lamb", "lars", or its registry entry) for one parameter group, run by the SYCL kernels on ``queue`` (a
     dpctl.SyclQueue; default :func:`default_queue`).
 
-    Arguments mirror :func:`ipex_train.optim._fused.fused_step`: hyper-parameters come from ``group`` with
+    Arguments mirror :func:`ipex_train.optim.fused.fused_step`: hyper-parameters come from ``group`` with
     torch.optim's key names, ``state`` is the optimizer's per-parameter state (missing entries are created as the
     CPU step creates them and kept in USM shared memory; the group's ``state_dtype`` picks their format and the
     bits are the CPU step's), ``aux`` is per parameter None, an int16 residual (split bf16) or a float32 master.
@@ -67,17 +67,17 @@ def fused_step(kind: str | FusedOptimizer, group: dict[str, Any], state: Mutable
     (:func:`to_usm`, :func:`module_to_usm`, :func:`usm_grads`); other memory is refused with ValueError. Torch XPU
     tensors (a torch build with XPU) run on torch's current SYCL queue instead.
     """
-    entry = kind if isinstance(kind, FusedOptimizer) else _registry.get(kind)
+    entry = kind if isinstance(kind, FusedOptimizer) else registry.get(kind)
     op = f"ipex_train.xpu.fused_step({entry.name!r})"
     params, aux, grads = list(params), list(aux), list(grads)
     if not params:
         return
-    if _on_torch_xpu(params) and _state_formats.parse(group.get(_state_formats.GROUP_KEY),
-                                                      f"param group key {_state_formats.GROUP_KEY!r}") is not None:
-        raise RuntimeError(f"{op}: param group key {_state_formats.GROUP_KEY!r} is "
-                           f"{group[_state_formats.GROUP_KEY]!r}, but reduced-byte state is not implemented for torch "
+    if _on_torch_xpu(params) and state_formats.parse(group.get(state_formats.GROUP_KEY),
+                                                      f"param group key {state_formats.GROUP_KEY!r}") is not None:
+        raise RuntimeError(f"{op}: param group key {state_formats.GROUP_KEY!r} is "
+                           f"{group[state_formats.GROUP_KEY]!r}, but reduced-byte state is not implemented for torch "
                            "XPU tensors (it runs on USM-backed CPU tensors and on the CPU step); use fp32 state")
-    lists = _fused.state_lists(entry, group, state, params)
+    lists = fused.state_lists(entry, group, state, params)
     try:
         if _on_torch_xpu(params):
             if queue is not None:
@@ -90,13 +90,13 @@ def fused_step(kind: str | FusedOptimizer, group: dict[str, Any], state: Mutable
             _to_usm_state(entry, state, params, lists, queue)
         slots = _slots(op, params, aux, grads, {s.arg: lists[s.key] for s in entry.state if lists[s.key]})
     except (TypeError, ValueError):
-        _fused.undo_lists(lists)  # a refused call counts no step and creates no state
+        fused.undo_lists(lists)  # a refused call counts no step and creates no state
         raise
     # The runtime takes the fresh flags and step counts as plain values (the host reads them anyway).
     extra = [list(lists["fresh"])] if entry.fresh_flags else []
     if entry.counts_steps:
         extra.append([float(t) for t in lists["step"]])
-    getattr(rt, entry.name)(slots, *extra, *entry.kernel_args(group), _state_formats.call_key(group))
+    getattr(rt, entry.name)(slots, *extra, *entry.kernel_args(group), state_formats.call_key(group))
 
 
 def split_bf16(src: Tensor, queue=None) -> tuple[Tensor, Tensor]:

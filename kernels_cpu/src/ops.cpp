@@ -118,7 +118,7 @@ at::Tensor combine_bf16(const at::Tensor& top_in, const at::Tensor& res_in) {
 }
 
 // The packed int8 state (fp32 scales, then the codes) of a 1-D fp32 tensor, as the steps store it: to check the
-// kernel variants' encoders against the Python reference (ipex_train/optim/_state_formats.py) on chosen values.
+// kernel variants' encoders against the Python reference (ipex_train/optim/state_formats.py) on chosen values.
 at::Tensor q8_encode(const at::Tensor& x_in, bool is_signed) {
   const char* op = "ipex_train::q8_encode";
   check_cpu_dense(op, x_in, "x");

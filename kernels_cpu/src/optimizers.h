@@ -1,4 +1,4 @@
-// The fused optimizers, listed once for the whole C++ side (X-macros). ipex_train/optim/_registry.py is the Python
+// The fused optimizers, listed once for the whole C++ side (X-macros). ipex_train/optim/registry.py is the Python
 // side of the same list; ipex_train checks at import that both name the same optimizers with the same arguments.
 //
 // ITR_OPTIMIZERS(X): X(name, arguments) for each op ipex_train::<name>_step. `arguments` is the schema after the

@@ -4,7 +4,7 @@
 // the math. Plain integer and IEEE float operations only (no contraction, no approximations), so every ISA variant
 // gives the same bits.
 //
-// Formats (ipex_train/optim/_state_formats.py is the Python side and must give the same bits):
+// Formats (ipex_train/optim/state_formats.py is the Python side and must give the same bits):
 //   kBF16        bf16, one per element. Encoding rounds stochastically: the fp32 bits plus 16 random bits, cut to
 //                the top half, so E[stored] = value. The random bits of element i are the top half of
 //                i * 0x9E3779B1 + base (mod 2^32), base a hash of the step's key: for one element a fresh uniform

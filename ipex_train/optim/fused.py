@@ -2,10 +2,10 @@
 make one call into the C++ kernels for the whole group.
 
 Used by :class:`Lamb`, :class:`Lars`, :mod:`ipex_train.optim.functional` and the optimizer that
-:func:`ipex_train.optimize` returns; what each optimizer keeps and passes is its entry in :mod:`._registry`.
+:func:`ipex_train.optimize` returns; what each optimizer keeps and passes is its entry in :mod:`.registry`.
 ``aux`` holds, per parameter, None (fp32/fp64 storage), the int16 residual of a split bf16 parameter, or the fp32
 master of a bf16/fp16 parameter; optimizer state is fp32 (fp64 for fp64 parameters) unless the group's
-``state_dtype`` asks for reduced-byte state (:mod:`._state_formats`).
+``state_dtype`` asks for reduced-byte state (:mod:`.state_formats`).
 """
 from __future__ import annotations
 
@@ -16,19 +16,19 @@ import torch
 from torch import Tensor
 
 from .._ops import ops, optimizer_names
-from . import _loaded_state, _registry, _state_formats
-from ._checks import check_step_args
-from ._registry import FusedOptimizer
+from . import loaded_state, registry, state_formats
+from .checks import check_step_args
+from .registry import FusedOptimizer
 
 
 def check_against_kernels() -> None:
     """Raise ImportError unless the registry and the C++ kernels describe the same optimizers and arguments."""
     # The registry and the C++ list (kernels_cpu/src/optimizers.h) must name the same optimizers, and each entry's
     # lists and scalars must be its op's arguments in order: a new optimizer added on one side only fails here.
-    if set(optimizer_names()) != set(_registry.NAMES):
+    if set(optimizer_names()) != set(registry.NAMES):
         raise ImportError(f"ipex_train: the C++ kernels have optimizers {optimizer_names()} but the registry "
-                          f"(ipex_train/optim/_registry.py) has {_registry.NAMES}; rebuild the extension")
-    for o in _registry.OPTIMIZERS:
+                          f"(ipex_train/optim/registry.py) has {registry.NAMES}; rebuild the extension")
+    for o in registry.OPTIMIZERS:
         expected = ["params", "aux", "grads", *(s.arg for s in o.state), *(["fresh_buffers"] * o.fresh_flags),
                     *(["state_steps"] * o.counts_steps), *(h.arg for h in o.hyperparameters), "state_key"]
         schema = [a.name for a in kernel(o).default._schema.arguments]
@@ -69,7 +69,7 @@ def state_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapp
     For SGD, ``fresh`` marks momentum buffers created now (torch starts those from the grad itself).
     """
     states = [state[p] for p in params]
-    _loaded_state.check_entries(entry, group, params, states)  # before anything is created or counted
+    loaded_state.check_entries(entry, group, params, states)  # before anything is created or counted
     lists: dict[str, list] = {"created": [st for st in states if not st]}
     for spec in entry.state:
         if not spec.present(group):
@@ -79,16 +79,16 @@ def state_lists(entry: FusedOptimizer, group: dict[str, Any], state: MutableMapp
             lists["fresh"] = [st.get(spec.key) is None for st in states]
         fill = float(group.get(spec.fill, 0.0)) if spec.fill else 0.0
         for i, (p, st) in enumerate(zip(params, states)):
-            fmt = _state_formats.wanted(group, p)
+            fmt = state_formats.wanted(group, p)
             if st.get(spec.key) is None:
                 fresh_zeros = fmt is not None and not fill
-                st[spec.key] = _state_formats.zeros(p, fmt, spec.signed) if fresh_zeros else _state_tensor(p, fill)
-            # The group's state format (reduced-byte state, _state_formats): created, loaded or switched.
+                st[spec.key] = state_formats.zeros(p, fmt, spec.signed) if fresh_zeros else _state_tensor(p, fill)
+            # The group's state format (reduced-byte state, state_formats): created, loaded or switched.
             try:
-                st[spec.key] = _state_formats.convert(st[spec.key], p, fmt, spec.signed)
+                st[spec.key] = state_formats.convert(st[spec.key], p, fmt, spec.signed)
             except RuntimeError as e:  # a tensor that cannot be re-encoded for p (set by hand, of the wrong shape)
                 undo_lists(lists)
-                raise _loaded_state.unconvertible(entry, group, i, p, spec.key, st[spec.key], fmt) from e
+                raise loaded_state.unconvertible(entry, group, i, p, spec.key, st[spec.key], fmt) from e
         lists[spec.key] = [st[spec.key] for st in states]
     if entry.fresh_flags and "fresh" not in lists:
         lists["fresh"] = []
@@ -115,7 +115,7 @@ def store_state_formats(entry: FusedOptimizer, param_groups: list[dict[str, Any]
             st = state.get(p)
             for spec in entry.state if st else ():
                 if isinstance(st.get(spec.key), Tensor):
-                    st[spec.key] = _state_formats.convert(st[spec.key], p, _state_formats.wanted(group, p),
+                    st[spec.key] = state_formats.convert(st[spec.key], p, state_formats.wanted(group, p),
                                                           spec.signed)
 
 
@@ -157,4 +157,4 @@ def fused_step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMappi
         undo_lists(found)  # a refused call counts no step and creates no state
         raise
     kernel(entry)(params, aux, grads, *kernel_lists(entry, found), *entry.kernel_args(group),
-                                 _state_formats.call_key(group))
+                                 state_formats.call_key(group))

@@ -2,7 +2,7 @@
 
 An entry says which torch.optim class the kernel implements, which state it keeps (torch.optim's key names and
 how each tensor starts), and how a param group becomes the kernel's scalar arguments. The CPU step
-(:mod:`._fused`), the SYCL step (:mod:`ipex_train.xpu`), the optimizer :func:`ipex_train.optimize` returns, the
+(:mod:`.fused`), the SYCL step (:mod:`ipex_train.xpu`), the optimizer :func:`ipex_train.optimize` returns, the
 typed functions of :mod:`ipex_train.optim.functional`, the fake (meta) ops, the tests and the benchmarks all read
 this list; the C++ side has the same list once, in kernels_cpu/src/optimizers.h, and :data:`OPTIMIZERS` is checked
 against it at import.

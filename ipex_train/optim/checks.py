@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _layouts, _state_formats
+from . import _layouts, state_formats
 from ._layouts import Layout
 
 
 def _reducible(layout: Layout, t: Tensor, p: Tensor) -> bool:
-    return layout.state == torch.float32 and _state_formats.fits(t, p)
+    return layout.state == torch.float32 and state_formats.fits(t, p)
 
 def _layout_of(op: str, i: int, p: Tensor, aux: Tensor | None) -> Layout:
     layout = _layouts.find(p.dtype, None if aux is None else aux.dtype)
@@ -135,11 +135,11 @@ def _named_checks(op: str, params: list, aux: list, grads: list, states: dict[st
         for sname, lst in states.items():
             t = lst[i]
             check_dense(op, t, f"{sname}[{i}]", *rule)
-            if t.dtype != layout.state and _state_formats.format_of(t) is not None and layout.state == torch.float32:
-                if not _state_formats.fits(t, p):
+            if t.dtype != layout.state and state_formats.format_of(t) is not None and layout.state == torch.float32:
+                if not state_formats.fits(t, p):
                     raise ValueError(f"{op}: {sname}[{i}] is {t.dtype} reduced-byte state of shape {tuple(t.shape)}; "
                                      f"params[{i}] needs bfloat16 shaped like it, or a packed 1-D int8/uint8 tensor of "
-                                     f"{_state_formats.packed_bytes(p.numel())} bytes")
+                                     f"{state_formats.packed_bytes(p.numel())} bytes")
                 continue
             if t.dtype != layout.state:
                 raise TypeError(f"{op}: {sname}[{i}] has dtype {t.dtype}; optimizer state for a {layout.description} "

@@ -4,7 +4,7 @@ is never made up and never the wrong shape.
 torch.optim creates a parameter's state at its first step and needs all of it afterwards: an entry holding part of
 it (``exp_avg`` without ``exp_avg_sq``, moments without ``step``) makes torch's step raise KeyError. Creating the
 missing part as zeros would step on from a made-up value (a zero Adam second moment at step 20 moves the weight by
-up to lr / eps per element). For the optimizers of :mod:`._registry`:
+up to lr / eps per element). For the optimizers of :mod:`.registry`:
 
 * an empty entry, or none, is a fresh parameter: its first step creates the state as torch does;
 * a non-empty entry holds every key the optimizer keeps for its group: ``step`` when it counts steps, and each
@@ -12,7 +12,7 @@ up to lr / eps per element). For the optimizers of :mod:`._registry`:
   torch itself starts from the grad when it is missing;
 * ``step`` is a finite number >= 0 (an int, a float or a one-element tensor);
 * each state tensor is a floating-point tensor shaped like its parameter (at the step, reduced-byte state as the
-  step stores it, :mod:`._state_formats`, too).
+  step stores it, :mod:`.state_formats`, too).
 
 :func:`check_checkpoint` checks a whole checkpoint before ``load_state_dict`` changes anything; :func:`check_entries`
 checks the entries of one fused call before it creates or counts anything (state edited by hand, or a group switched
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._registry import FusedOptimizer
+from .registry import FusedOptimizer
 
 
 def required_keys(entry: FusedOptimizer, group: Mapping[str, Any]) -> frozenset[str]:
