@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             _common.write_json(args.json, [result], {"world_size": dist.get_world_size(), "args": vars(args)})
             _common.plot(args.plot, [result], f"FSDP2 on {dist.get_world_size()} CPU processes (gloo)")
             print(f"wrote {args.json} and {args.plot}")
+        dist.barrier()  # the ranks leave together: none tears down while rank 0 still writes its report
     finally:
         dist.destroy_process_group()
     return 0
