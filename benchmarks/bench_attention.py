@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ipex_train import _ops, attention
+from ipex_train import attention
+from ipex_train.base import ops as _ops
 
 from .timing import best_of_rounds
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from ipex_train import _ops
+from ipex_train.base import ops as _ops
 from ipex_train.rms_norm import rms_norm
 
 from .timing import best_of_rounds

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ipex_train import _ops
+from ipex_train.base import ops as _ops
 from ipex_train.optim import _layouts, fused, registry
 
 # Rows: every registered optimizer, and AdamW (Adam's kernel with decoupled weight decay, its own torch baseline).

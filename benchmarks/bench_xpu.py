@@ -78,7 +78,7 @@ def run(args) -> dict:
     results["adam_fp32_torch_fused_ms"] = _time(opt.step, warmup, iters)
 
     # split-bf16 AdamW: bf16 top + int16 residual, bf16 grad; fp32, bf16 (stochastic rounding) or int8 state.
-    top, res = ipex_train._ops.split_bf16(w)
+    top, res = ipex_train.base.ops.split_bf16(w)
     gb = g.bfloat16()
     steps = {}
     for state_name, state_dtype in (("", None), ("_bf16_state", torch.bfloat16), ("_int8_state", "int8")):
@@ -97,7 +97,7 @@ def run(args) -> dict:
         "timed_steps": iters,
         "sycl_device": f"{dev.name} ({dev.backend.name}:{dev.device_type.name}, SYCL CPU device)",
         "torch_threads": torch.get_num_threads(),
-        "kernel_variant": ipex_train._ops.kernel_variant(),
+        "kernel_variant": ipex_train.base.ops.kernel_variant(),
         "torch": torch.__version__,
         "results_ms": results,
     }

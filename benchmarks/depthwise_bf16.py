@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
         groups.append({"kernel": k, "stride": s, "median_ratio": statistics.median(ratios), "fp32_by_rule": picked})
         print(f"k{k} s{s}: bf16 / fp32 path median {statistics.median(ratios):.2f}; rule: "
               f"{'fp32' if picked else 'bf16'}")
-    from ipex_train import _ops
+    from ipex_train.base import ops as _ops
 
     result = {"meta": {"torch": torch.__version__, "threads": torch.get_num_threads(), "batch": args.batch,
                        "cpu_features": _ops.cpu_features()},

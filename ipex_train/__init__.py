@@ -4,14 +4,16 @@
 """
 __version__ = "0.1.0"
 
-from . import _envvars, _ops, optim  # noqa: F401  (_ops loads the kernels and registers torch.ops.ipex_train)
-from ._channels_last import disable_auto_channels_last, enable_auto_channels_last
-from ._info import info
-from ._memory import MemoryReport, memory_report
-from ._summary import OptimizeSummary, summary
+from . import optim
+from .base import envvars as _envvars  # noqa: F401  (_ops loads the kernels and registers torch.ops.ipex_train)
+from .base import ops as _ops
 from .config import OptimizeConfig
 from .frontend import optimize
 from .inference.jit import enable_onednn_fusion, onednn_fusion_enabled
+from .precision.channels_last import disable_auto_channels_last, enable_auto_channels_last
+from .reports.info import info
+from .reports.memory import MemoryReport, memory_report
+from .reports.summary import OptimizeSummary, summary
 
 _envvars.apply_kernel_variable()  # a bad IPEX_TRAIN_KERNEL is raised at optimize() or the first kernel call
 

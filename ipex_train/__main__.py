@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "info":
-        from ._info import info
+        from .reports.info import info
 
         data = info()
         if args.json:

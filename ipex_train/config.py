@@ -2,7 +2,7 @@
 
 ``optimize(model, opt, dtype=torch.bfloat16, level="O1", ...)`` is shorthand for
 ``optimize(model, opt, config=OptimizeConfig(dtype=torch.bfloat16, level="O1", ...))``. Each field has an
-environment variable, ``IPEX_TRAIN_<FIELD>`` (:mod:`ipex_train._envvars`, docs/environment.md), read for the options
+environment variable, ``IPEX_TRAIN_<FIELD>`` (:mod:`ipex_train.base.envvars`, docs/environment.md), read for the options
 left unset (:func:`resolve`, when optimize() starts; :meth:`OptimizeConfig.from_env`, which is how the Accelerate
 plugin configures launched jobs). Precedence: a keyword argument or a config field > the environment > the default;
 a keyword argument and a config field that set one option to different values are a ValueError. A config is written
@@ -16,13 +16,9 @@ from typing import Any
 
 import torch
 
-from . import _envvars, _options
-from ._envvars import LEVELS
-from ._options import OptionTypeError
-
-DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
-BF16_COMPUTE = _envvars.BF16_COMPUTE_POLICIES
-FROZEN_WEIGHTS = _envvars.FROZEN_WEIGHTS
+from .base import envvars as _envvars
+from .base import options as _options
+from .base.choices import DTYPES, LEVELS, parse_bf16_compute, parse_frozen_weights
 _WHERE = "optimize()"
 
 
@@ -79,15 +75,8 @@ class OptimizeConfig:
             raise ValueError(f"{_WHERE}: level must be 'O0' or 'O1', got {self.level!r}")
         for name in FLAGS:
             _options.check_bool(getattr(self, name), f"{_WHERE}: {name}")
-        if self.bf16_compute is not None:
-            if not isinstance(self.bf16_compute, str):
-                raise OptionTypeError(f"{_WHERE}: bf16_compute must be a string or None, got {self.bf16_compute!r}")
-            text = self.bf16_compute.strip().lower()
-            if text not in (*_options.AUTO, *BF16_COMPUTE):
-                raise ValueError(f"{_WHERE}: bf16_compute must be None, 'auto', 'native' or 'emulated', got "
-                                 f"{self.bf16_compute!r}")
-            object.__setattr__(self, "bf16_compute", None if text in _options.AUTO else text)
-        frozen = _options.parse_choice(self.frozen_weights, FROZEN_WEIGHTS, f"{_WHERE}: frozen_weights")
+        object.__setattr__(self, "bf16_compute", parse_bf16_compute(self.bf16_compute, f"{_WHERE}: bf16_compute"))
+        frozen = parse_frozen_weights(self.frozen_weights, f"{_WHERE}: frozen_weights")
         object.__setattr__(self, "frozen_weights", None if frozen == "lossless" else frozen)
 
     @classmethod

@@ -3,7 +3,7 @@ model here."""
 import pytest
 import torch
 
-from ipex_train import _ops
+from ipex_train.base import ops as _ops
 
 VARIANTS = _ops.supported_kernel_variants()
 

@@ -233,7 +233,7 @@ def test_prepared_or_wrong_objects_are_refused():
 def test_prepare_state_dict_round_trip_is_lossless(monkeypatch):
     """AcceleratedOptimizer runs state_dict() -> load_state_dict() at prepare time, and torch casts floating state
     to the parameter dtype there (bf16 here): the fp32 Adam moments must come through bit for bit."""
-    from ipex_train._training_optimizer import TrainingOptimizer
+    from ipex_train.training.optimizer import TrainingOptimizer
 
     accelerator = new_accelerator(mixed_precision="bf16")
     model = make_model()

@@ -147,7 +147,7 @@ def test_kernel_variants_agree(variant):
     q, k, v = _qkv(s=40, t=45, d=24)
     torch.manual_seed(1)
     out = attention.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
-    from ipex_train import _ops
+    from ipex_train.base import ops as _ops
 
     _ops.set_kernel_variant("scalar")
     try:

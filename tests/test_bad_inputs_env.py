@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import ipex_train
-from ipex_train import OptimizeConfig, _envvars
+from ipex_train import OptimizeConfig
+from ipex_train.base import envvars as _envvars
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +48,7 @@ def test_kernel_variable_never_breaks_import(value):
 
 @pytest.mark.parametrize("value, variant", [("AVX2", "avx2"), ("Scalar", "scalar"), (" scalar ", "scalar")])
 def test_kernel_variable_is_case_insensitive(value, variant):
-    out = _run("from ipex_train import _ops; print(_ops.kernel_variant())", IPEX_TRAIN_KERNEL=value)
+    out = _run("from ipex_train.base import ops as _ops; print(_ops.kernel_variant())", IPEX_TRAIN_KERNEL=value)
     assert out.returncode == 0 and out.stdout.strip() == variant, out.stderr
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import ipex_train
-from ipex_train import _summary, compute_policy
+from ipex_train import compute_policy
+from ipex_train.reports import summary as _summary
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fsdp_ranks as R

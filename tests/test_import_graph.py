@@ -9,7 +9,7 @@ sub-package such as ``ipex_train.optim``. Privacy rules:
 
 * a private name defined in a module (``from ipex_train.frontend import _ATTR``) may be imported only by
   modules of the same package;
-* a private module (``ipex_train._ops``, ``ipex_train.optim._layouts``) belongs to its package: modules of that
+* a private module (``ipex_train.base.ops``, ``ipex_train.optim._layouts``) belongs to its package: modules of that
   package and of its sub-packages may import it (sub-packages build on their parent's internals), siblings and
   the parent may not. What other packages use of a package is a public module or name (``ipex_train.optim.registry``).
 """

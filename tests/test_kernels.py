@@ -15,7 +15,7 @@ import zlib
 import pytest
 import torch
 
-from ipex_train import _ops
+from ipex_train.base import ops as _ops
 from ipex_train.optim import _layouts, _reference, fused, registry
 
 ops = torch.ops.ipex_train
@@ -750,7 +750,7 @@ def test_unsupported_kernel_variant():
 
 
 def test_env_var_selects_variant_and_rejects_bad_names():
-    code = "from ipex_train import _ops; print(_ops.kernel_variant())"
+    code = "from ipex_train.base import ops as _ops; print(_ops.kernel_variant())"
     ok = subprocess.run([sys.executable, "-c", code], env={"IPEX_TRAIN_KERNEL": "scalar", "PATH": ""},
                         capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.strip() == "scalar", ok.stderr

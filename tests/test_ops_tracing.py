@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from ipex_train import _ops  # noqa: F401  (registers the ops and their fake impls)
+from ipex_train.base import ops as _ops  # noqa: F401  (registers the ops and their fake impls)
 
 ops = torch.ops.ipex_train
 SHAPE = (5, 3)

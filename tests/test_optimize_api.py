@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import ipex_train
-from ipex_train import _channels_last
+from ipex_train.precision import channels_last as _channels_last
 
 BF16 = torch.bfloat16
 

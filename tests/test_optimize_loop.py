@@ -12,7 +12,7 @@ from torch import nn
 
 import ipex_train
 from ipex_train import compute_policy
-from ipex_train._training_optimizer import fused_entry
+from ipex_train.training.optimizer import fused_entry
 
 BF16 = torch.bfloat16
 # optimize(bf16) against its plain-torch emulation (see tests/test_optimize_numerics.py's BF16_TOL).
@@ -259,7 +259,7 @@ def test_sparse_grads(factory):
     got, want = values(model), values(ref)
     assert_close(got, want)
     # The sparse rows were updated in fp32 and re-split: top and residual agree with the fp32 value.
-    top, _ = ipex_train._ops.split_bf16(got["emb.weight"])
+    top, _ = ipex_train.base.ops.split_bf16(got["emb.weight"])
     assert torch.equal(top, model.emb.weight)
     changed = (got["emb.weight"] != make().emb.weight).any(1)
     assert changed.any() and not changed.all()

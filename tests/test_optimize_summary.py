@@ -10,7 +10,7 @@ from sycl_required import need_sycl_device
 from torch import nn
 
 import ipex_train
-from ipex_train import _summary
+from ipex_train.reports import summary as _summary
 
 
 def _lines(caplog):

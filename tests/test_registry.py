@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import ipex_train
-from ipex_train import OptimizeConfig, _ops
+from ipex_train import OptimizeConfig
+from ipex_train.base import ops as _ops
 from ipex_train.optim import Lamb, Lars, fused, registry
 from ipex_train.optim import functional as F
 

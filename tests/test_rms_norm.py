@@ -24,7 +24,7 @@ from op_names import OpNames
 
 import ipex_train
 import ipex_train.compute_policy as cp
-from ipex_train import _ops
+from ipex_train.base import ops as _ops
 from ipex_train.rms_norm import rms_norm
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipex_train import _ops
+from ipex_train.base import ops as _ops
 
 split, combine = _ops.split_bf16, _ops.combine_bf16
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 from test_kernels import CASES, make_group, op_kind, reference_state, reference_step, to_storage, working
 
 import ipex_train
-from ipex_train import _ops
+from ipex_train.base import ops as _ops
 from ipex_train.optim import functional as F
 from ipex_train.optim import fused, registry
 from ipex_train.optim import state_formats as sf

@@ -270,7 +270,7 @@ def test_reduced_state_with_split_bf16(name, state_dtype):
 def test_norm_query_without_clipping_is_allowed(caplog):
     # clip_grad_norm_ with max_norm=inf clips nothing (trainers log grad_norm this way): it runs, sees no grads,
     # and says once that the norm it returns is not the gradient's.
-    from ipex_train import _step_in_backward as _release
+    from ipex_train.training import step_in_backward as _release
 
     model = make_model()
     model, opt = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), step_in_backward=True)
@@ -287,8 +287,9 @@ def test_norm_query_without_clipping_is_allowed(caplog):
 
 def test_heap_released_while_the_first_step_creates_state(monkeypatch):
     # The first backward creates each parameter's state between grads freed at once; the holes they leave in the C
-    # heap are given back as each state appears (ipex_train._heap), and later steps, which create none, skip it.
-    from ipex_train import _heap, _step_in_backward
+    # heap are given back as each state appears (ipex_train.base.heap), and later steps, which create none, skip it.
+    from ipex_train.base import heap as _heap
+    from ipex_train.training import step_in_backward as _step_in_backward
 
     calls = []
     monkeypatch.setattr(_step_in_backward._heap, "release_free_memory", lambda: calls.append(1) or True)

@@ -90,7 +90,8 @@ import weakref
 
 import torch
 
-from .. import _envvars
+from ..base import envvars as _envvars
+from ..base.choices import BF16_COMPUTE, parse_bf16_compute
 from . import _rms_norm
 from ._mode import _AttentionMode, _EmulationMode
 
@@ -108,9 +109,8 @@ __all__ = [
     "ComputePolicyHandle",
 ]
 
-POLICIES = ("native", "emulated")
+POLICIES = BF16_COMPUTE
 ENV_VAR = _envvars.BF16_COMPUTE.name
-_REQUESTABLE = ("auto",) + POLICIES
 _NATIVE_BF16_FEATURES = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
 
 _log = logging.getLogger("ipex_train")
@@ -121,8 +121,8 @@ _logged: set[tuple[str, str]] = set()
 
 
 def _features() -> dict[str, bool]:
-    """CPU features as name -> bool (read through :mod:`ipex_train._ops`, which probes them)."""
-    from .. import _ops
+    """CPU features as name -> bool (read through :mod:`ipex_train.base.ops`, which probes them)."""
+    from ..base import ops as _ops
 
     return _ops.cpu_features()
 
@@ -137,16 +137,10 @@ def cpu_has_native_bf16(features: dict[str, bool] | None = None) -> bool:
     return any(features.get(name, False) for name in _NATIVE_BF16_FEATURES)
 
 
-def _check_value(value: str, where: str) -> str:
-    normalized = value.strip().lower()
-    if normalized not in _REQUESTABLE:
-        raise ValueError(f"{where}={value!r} is not a bf16 compute policy; accepted values: {', '.join(_REQUESTABLE)}")
-    return normalized
-
-
 def _resolve_with_source(requested: str | None) -> tuple[str, str]:
-    if requested is not None and _check_value(requested, "requested") != "auto":
-        return requested.strip().lower(), "argument"
+    requested = parse_bf16_compute(requested, "requested")
+    if requested is not None:
+        return requested, "argument"
     env = _envvars.BF16_COMPUTE.read()
     if env is not None:
         return env, f"environment variable {ENV_VAR}"

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .. import _ops, attention
+from .. import attention
+from ..base import ops as _ops
 from . import _saved
 from ._functions import (
     _AddMatmul,

@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from .._master_weights import MasterWeights
-from .._training_optimizer import TrainingOptimizer, has_fused_step, training_optimizer, user_class
+from ..precision.master_weights import MasterWeights
+from ..training.optimizer import TrainingOptimizer, has_fused_step, training_optimizer, user_class
 from ._optimizer import sharded_class
 
 _ORDER = ("fully_shard every block and the root, build the optimizer from model.parameters(), then call "

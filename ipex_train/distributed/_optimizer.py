@@ -16,8 +16,8 @@ from typing import Any
 
 from torch import Tensor
 
-from .._training_optimizer import TrainingOptimizer, fused_entry, training_class
 from ..optim import sharded
+from ..training.optimizer import TrainingOptimizer, fused_entry, training_class
 
 
 class ShardedTrainingOptimizer(TrainingOptimizer):

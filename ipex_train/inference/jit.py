@@ -48,7 +48,8 @@ import warnings
 import torch
 from torch import nn
 
-from .. import _envvars, _options
+from ..base import envvars as _envvars
+from ..base import options as _options
 
 _log = logging.getLogger("ipex_train")
 

@@ -18,7 +18,7 @@ import sys
 
 from torch import nn
 
-from .._master_weights import MasterWeights
+from ..precision.master_weights import MasterWeights
 
 
 def keep_adapter_storage(model: nn.Module, masters: MasterWeights) -> None:

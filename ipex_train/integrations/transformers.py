@@ -19,7 +19,7 @@ import sys
 import torch
 from torch import nn
 
-from .. import _record
+from ..precision import record as _record
 
 
 def keep_fp32_checkpoints(model: nn.Module) -> None:

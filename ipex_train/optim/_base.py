@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._options import OptionTypeError
+from ..base.options import OptionTypeError
 from . import fused, loaded_state, state_formats
 from .registry import FusedOptimizer
 

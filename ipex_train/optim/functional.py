@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .._ops import ops
+from ..base.ops import ops
 from .fused import state_dtype
 
 __all__ = ["adagrad", "adam", "lamb", "lars", "sgd"]

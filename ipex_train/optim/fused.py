@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._ops import ops, optimizer_names
+from ..base.ops import ops, optimizer_names
 from . import loaded_state, registry, state_formats
 from .checks import check_step_args
 from .registry import FusedOptimizer

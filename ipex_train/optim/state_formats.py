@@ -22,11 +22,18 @@ survives save -> load bit for bit (bf16 -> fp32 -> bf16 is exact; for int8, ``en
 """
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from ..base.choices import (
+    STATE_FORMATS_ACCEPTED,
+    StateFormat,
+    StateFormatOrNone,
+    parse_state_format,
+    public_state_format,
+)
 
 GROUP_KEY = "state_dtype"
 SEED_KEY = "state_seed"
@@ -38,35 +45,10 @@ CODECS = {torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
 
 
 
-class StateFormat(enum.Enum):
-    """A reduced-byte state format; its value is how the public options spell it (fp32 state is None)."""
-
-    BF16 = torch.bfloat16
-    INT8 = "int8"
-
-
-Format = StateFormat | None
-_NAMES = {"int8": StateFormat.INT8, "bf16": StateFormat.BF16, "bfloat16": StateFormat.BF16, "fp32": None,
-          "float32": None}
-ACCEPTED = "None or torch.float32 (fp32 state), torch.bfloat16 / 'bf16', or 'int8'"
-
-
-def parse(value: Any, name: str) -> Format:
-    """The format named by ``value`` (None for fp32); ValueError naming ``name`` for anything else."""
-    if value is None or value is torch.float32:
-        return None
-    if value is torch.bfloat16:
-        return StateFormat.BF16
-    if isinstance(value, StateFormat):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _NAMES:
-        return _NAMES[value.strip().lower()]
-    raise ValueError(f"{name} must be {ACCEPTED}, got {value!r}")
-
-
-def public(fmt: Format) -> torch.dtype | str | None:
-    """``fmt`` as the options spell it: None, torch.bfloat16 or "int8"."""
-    return None if fmt is None else fmt.value
+Format = StateFormatOrNone
+ACCEPTED = STATE_FORMATS_ACCEPTED
+parse = parse_state_format
+public = public_state_format
 
 
 def bytes_per_element(fmt: StateFormat, numel: int) -> float:

@@ -6,7 +6,7 @@ import warnings
 import torch
 from torch import nn
 
-from .._record import copy_model
+from ..precision.record import copy_model
 from . import _summary
 from ._graph import Graph, Recorder
 from ._kernels import engine_scope, weight_bits

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _ops  # noqa: F401  (loads the extension that defines torch.ops.ipex_train.rms_norm_*)
+from ..base import ops as _ops  # noqa: F401  (loads the extension that defines torch.ops.ipex_train.rms_norm_*)
 
 _FORWARD = "ipex_train::rms_norm_forward"
 _BACKWARD = "ipex_train::rms_norm_backward"

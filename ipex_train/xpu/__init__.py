@@ -25,8 +25,8 @@ Two ways to run them:
 """
 from __future__ import annotations
 
-from .. import _envvars
-from .._options import check_bool
+from ..base import envvars as _envvars
+from ..base.options import check_bool
 from ._backend import SyclBackend
 from ._device import DEVICE_ENV, default_queue, devices, is_available, select_device, unavailable_reason
 from ._env import sycl_env

@@ -5,7 +5,7 @@ import os
 import sys
 import threading
 
-from .. import _envvars
+from ..base import envvars as _envvars
 from . import _runtime
 
 DEVICE_ENV = _envvars.SYCL_DEVICE.name

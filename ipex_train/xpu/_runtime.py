@@ -12,7 +12,7 @@ import sys
 import threading
 from typing import Any
 
-from .. import _envvars
+from ..base import envvars as _envvars
 from ..optim.registry import NAMES
 from . import _env
 

@@ -100,7 +100,7 @@ def fused_step(kind: str | FusedOptimizer, group: dict[str, Any], state: Mutable
 
 
 def split_bf16(src: Tensor, queue=None) -> tuple[Tensor, Tensor]:
-    """:func:`ipex_train._ops.split_bf16` on the SYCL queue: the bf16 top and int16 residual of the contiguous
+    """:func:`ipex_train.base.ops.split_bf16` on the SYCL queue: the bf16 top and int16 residual of the contiguous
     float32 USM tensor ``src``, as new USM tensors of its shape."""
     op = "ipex_train.xpu.split_bf16"
     check_dense(op, src, "src", device_rule=_USM_RULE, contiguous=True)
@@ -114,7 +114,7 @@ def split_bf16(src: Tensor, queue=None) -> tuple[Tensor, Tensor]:
 
 
 def combine_bf16(top: Tensor, residual: Tensor, queue=None) -> Tensor:
-    """:func:`ipex_train._ops.combine_bf16` on the SYCL queue: the exact float32 tensor from a contiguous bf16 top
+    """:func:`ipex_train.base.ops.combine_bf16` on the SYCL queue: the exact float32 tensor from a contiguous bf16 top
     and int16 residual in USM, as a new USM tensor."""
     op = "ipex_train.xpu.combine_bf16"
     check_dense(op, top, "top", device_rule=_USM_RULE, contiguous=True)

@@ -6,7 +6,7 @@ import platform
 
 import torch
 
-from . import _ops
+from ..base import ops as _ops
 
 
 def _cpu_model() -> str:
@@ -41,7 +41,7 @@ def _sycl() -> tuple[list[dict], str | None]:
     default queue would use it) and why the SYCL step cannot run here (None when it can). Never raises: a missing
     dpctl or a broken driver install reads as no device, with the reason."""
     try:
-        from . import xpu
+        from .. import xpu
 
         reason = xpu.unavailable_reason()
         found = xpu.devices()
@@ -63,7 +63,7 @@ def info() -> dict:
     lists: name, filter_string, device_type, backend, usm_shared/usm_device/usm_host, and ``default`` for the one
     optimize(sycl=True) would use) and ``sycl_unavailable_reason`` (None when available).
     """
-    from . import compute_policy
+    from .. import compute_policy
 
     features = _ops.cpu_features()
     policy = compute_policy.info()

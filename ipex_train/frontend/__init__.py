@@ -34,18 +34,24 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import _channels_last, _model_checks, _ops, _record, _step_in_backward, _summary, distributed
-from . import config as _config
-from ._master_weights import (
+from .. import config as _config
+from .. import distributed
+from ..base import ops as _ops
+from ..config import OptimizeConfig
+from ..optim import state_formats
+from ..precision import channels_last as _channels_last
+from ..precision import model_checks as _model_checks
+from ..precision import record as _record
+from ..precision.master_weights import (
     LOW_PRECISION,
     MasterWeights,
     convertible_parameters,
     register_input_casts,
     set_memory_format,
 )
-from ._training_optimizer import TrainingOptimizer, has_fused_step, training_optimizer, user_class
-from .config import OptimizeConfig
-from .optim import state_formats
+from ..reports import summary as _summary
+from ..training import step_in_backward as _step_in_backward
+from ..training.optimizer import TrainingOptimizer, has_fused_step, training_optimizer, user_class
 
 _log = logging.getLogger("ipex_train")
 
@@ -116,7 +122,7 @@ def _step_backend(sycl: bool | None, training: bool):
     unavailable."""
     if not training or not sycl:
         return None
-    from . import xpu  # only here: `import ipex_train` must not load the SYCL runtime
+    from .. import xpu  # only here: `import ipex_train` must not load the SYCL runtime
 
     try:
         return xpu.step_backend(sycl)
@@ -171,7 +177,7 @@ def _register_casts_and_policy(model: nn.Module, dtype: torch.dtype | None, bf16
     back around every layer would only add work where bf16 is computed in fp32 anyway."""
     policy = None
     if dtype == torch.bfloat16:
-        from . import compute_policy
+        from .. import compute_policy
 
         policy = compute_policy.resolve(bf16_compute)
     register_input_casts(model, fp32_activations=policy == "emulated")
@@ -181,7 +187,7 @@ def _register_casts_and_policy(model: nn.Module, dtype: torch.dtype | None, bf16
 
 def _inference_passes(model: nn.Module, flags: Flags, sample_input) -> None:
     """The inference-only passes of :mod:`ipex_train.inference` that ``flags`` ask for, on the fp32 eval model."""
-    from .inference import fold_conv_bn, fold_linear_bn, replace_dropout
+    from ..inference import fold_conv_bn, fold_linear_bn, replace_dropout
 
     if flags.conv_bn_folding:
         fold_conv_bn(model, sample_input)
@@ -200,7 +206,7 @@ def _optimize_sharded(model: nn.Module, optimizer, config: OptimizeConfig, inpla
     _validate(model, optimizer, None)
     flags = _resolve_flags(config)
     if config.dtype == torch.bfloat16 or config.bf16_compute is not None:
-        from . import compute_policy
+        from .. import compute_policy
 
         compute_policy.resolve(config.bf16_compute)  # raises for a bad value before anything changes
     _check_state_dtype(config.optimizer_state_dtype, optimizer, flags)
@@ -320,7 +326,7 @@ def optimize(model, optimizer=None, dtype=None, level=None, inplace=False, conv_
         _model_checks.check_optimizer(optimizer)
     flags = _resolve_flags(config)
     if dtype == torch.bfloat16 or bf16_compute is not None:
-        from . import compute_policy
+        from .. import compute_policy
 
         compute_policy.resolve(bf16_compute)  # raises for a bad value before anything changes
     backend = _step_backend(config.sycl, training=optimizer is not None)
@@ -339,7 +345,7 @@ def optimize(model, optimizer=None, dtype=None, level=None, inplace=False, conv_
         _check_release(optimizer)
 
     if optimizer is None:
-        from .inference import jit
+        from ..inference import jit
 
         jit.onednn_fusion_enabled()  # raises for a bad IPEX_TRAIN_ONEDNN_FUSION before anything changes
         if not inplace:
@@ -377,11 +383,11 @@ def optimize(model, optimizer=None, dtype=None, level=None, inplace=False, conv_
         _register_casts_and_policy(model, dtype, bf16_compute)
         _record.set_masters(model, masters)
         if "transformers" in sys.modules:  # only then can the model be one of its PreTrainedModels
-            from .integrations.transformers import keep_fp32_checkpoints
+            from ..integrations.transformers import keep_fp32_checkpoints
 
             keep_fp32_checkpoints(model)
         if "peft" in sys.modules:  # only then can the model hold peft tuners
-            from .integrations.peft import keep_adapter_storage
+            from ..integrations.peft import keep_adapter_storage
 
             keep_adapter_storage(model, masters)
     if backend is not None:

@@ -22,56 +22,19 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
-from . import _ops, _options
-from ._options import parse_bool, parse_choice
-from .optim import state_formats
+from . import ops as _ops
+from .choices import (
+    parse_bf16_compute,
+    parse_dtype,
+    parse_frozen_weights,
+    parse_kernel_variant,
+    parse_level,
+    parse_state_dtype,
+)
+from .options import parse_bool
 
 PREFIX = "IPEX_TRAIN_"
-
-LEVELS = ("O0", "O1")
-BF16_COMPUTE_POLICIES = ("native", "emulated")
-KERNEL_VARIANTS = ("avx512", "avx2", "scalar")
-FROZEN_WEIGHTS = ("lossless", "low_precision")
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-                "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
 _SWITCH = "1/0, true/false, yes/no, on/off, auto"
-
-
-def parse_dtype(value: Any, where: str) -> torch.dtype | None:
-    """optimize()'s ``dtype`` from a torch dtype or its name (bf16/bfloat16, fp32/float32, fp16/float16, auto)."""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _options.AUTO:
-            return None
-        if text in _DTYPE_NAMES:
-            return _DTYPE_NAMES[text]
-    elif value is None or value in _DTYPE_NAMES.values():
-        return value
-    raise ValueError(f"{where}={value!r} is not accepted; use torch.bfloat16 / 'bf16', torch.float32 / 'fp32', "
-                     "torch.float16 / 'fp16', or None / 'auto'")
-
-
-def _parse_level(value: Any, where: str) -> str | None:
-    return parse_choice(value, LEVELS, where, upper=True)
-
-
-def _parse_bf16_compute(value: Any, where: str) -> str | None:
-    return parse_choice(value, BF16_COMPUTE_POLICIES, where)
-
-
-def _parse_state_dtype(value: Any, where: str):
-    """The public spelling of a state format (None, torch.bfloat16 or "int8"), as OptimizeConfig stores it."""
-    if not isinstance(value, str):
-        return state_formats.public(state_formats.parse(value, where))
-    if value.strip().lower() in _options.AUTO:
-        return None
-    try:
-        return state_formats.public(state_formats.parse(value, where))
-    except ValueError:
-        raise ValueError(f"{where}={value!r} is not accepted; use one of bf16, bfloat16, int8, fp32, float32, "
-                         "auto") from None
 
 
 def _parse_text(value: str, where: str) -> str | None:
@@ -109,13 +72,13 @@ def _option(field: str, values: str, default: str, parse: Callable[[Any, str], A
 
 
 BF16_COMPUTE = _option("bf16_compute", "auto, native, emulated", "auto (native iff the CPU has bf16 units)",
-                       _parse_bf16_compute, "; compute_policy.resolve() called without a policy, each call")
+                       parse_bf16_compute, "; compute_policy.resolve() called without a policy, each call")
 SYCL = _option("sycl", _SWITCH, "off", parse_bool, "; ipex_train.xpu.enabled() called without a flag")
 
 # One variable per OptimizeConfig field, in the order of the fields.
 OPTIONS: dict[str, Variable] = {v.name.removeprefix(PREFIX).lower(): v for v in (
     _option("dtype", "bf16/bfloat16, fp32/float32, fp16/float16, auto", "auto (fp32 training)", parse_dtype),
-    _option("level", "O0, O1", "O1", _parse_level),
+    _option("level", "O0, O1", "O1", parse_level),
     _option("conv_bn_folding", _SWITCH, "the level's (on at O1, inference only)", parse_bool),
     _option("linear_bn_folding", _SWITCH, "the level's (on at O1, inference only)", parse_bool),
     _option("replace_dropout_with_identity", _SWITCH, "the level's (on at O1, inference only)", parse_bool),
@@ -126,15 +89,15 @@ OPTIONS: dict[str, Variable] = {v.name.removeprefix(PREFIX).lower(): v for v in 
     SYCL,
     _option("step_in_backward", _SWITCH, "off", parse_bool),
     _option("optimizer_state_dtype", "bf16/bfloat16, int8, fp32/float32, auto", "auto (fp32 state)",
-            _parse_state_dtype),
+            parse_state_dtype),
     _option("frozen_weights", "lossless, low_precision, auto", "auto (lossless)",
-            lambda value, where: parse_choice(value, FROZEN_WEIGHTS, where)),
+            parse_frozen_weights),
 )}
 
 KERNEL = Variable(PREFIX + "KERNEL", "auto, avx512, avx2, scalar", "auto (the best variant this CPU runs)",
                   "import ipex_train (applied then); a value that cannot be honoured is raised by optimize() and "
-                  "by every kernel call until ipex_train._ops.set_kernel_variant() chooses one",
-                  lambda value, where: parse_choice(value, KERNEL_VARIANTS, where))
+                  "by every kernel call until ipex_train.set_kernel_variant() chooses one",
+                  parse_kernel_variant)
 ONEDNN_FUSION = Variable(PREFIX + "ONEDNN_FUSION", _SWITCH, "on",
                          "optimize() for inference (when it starts), inference.export() and inference.load(), each "
                          "call, unless enable_onednn_fusion() was called", parse_bool)

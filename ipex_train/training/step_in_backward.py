@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _heap
+from ..base import heap as _heap
 
 # Optimizer classes whose step cannot run one parameter at a time.
 _PER_PARAM_IMPOSSIBLE = {torch.optim.LBFGS: "it re-evaluates the closure and steps all parameters together"}
@@ -163,7 +163,7 @@ def _hook(ref: weakref.ref, group: dict, p: Tensor) -> None:
         p.grad = None  # stepped; or not, and a retried backward must not add its grad to this one
     release.stepped.add(id(p))
     if first:
-        # p's state was just created among grads freed at once: give their holes back (see ipex_train._heap).
+        # p's state was just created among grads freed at once: give their holes back (see ipex_train.base.heap).
         _heap.release_free_memory()
 
 

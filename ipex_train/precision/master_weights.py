@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ._ops import combine_bf16, split_bf16
+from ..base.ops import combine_bf16, split_bf16
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from . import _record
-from ._dtensor import local
-from ._training_optimizer import TrainingOptimizer, user_class
-from .optim import fused, registry, state_formats
+from ..base.dtensor import local
+from ..optim import fused, registry, state_formats
+from ..precision import record as _record
+from ..training.optimizer import TrainingOptimizer, user_class
 
 
 def state_bytes_per_element(p: Tensor, group: dict) -> float:

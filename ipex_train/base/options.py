@@ -1,4 +1,4 @@
-"""The checks every option shares (environment variables are named and read in :mod:`ipex_train._envvars`).
+"""The checks every option shares (environment variables are named and read in :mod:`ipex_train.base.envvars`).
 
 Mistakes are reported one way everywhere: a value of the wrong type is an :class:`OptionTypeError` (a TypeError),
 a value of the right type that is not accepted (an unknown name, a bad environment string) is a ValueError, and

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _step_in_backward
-from ._master_weights import MasterWeights
-from .optim import fused, loaded_state, registry, state_formats
-from .optim.registry import unhooked
+from ..optim import fused, loaded_state, registry, state_formats
+from ..optim.registry import unhooked
+from ..precision.master_weights import MasterWeights
+from . import step_in_backward as _step_in_backward
 
 
 def has_fused_step(optimizer_class: type) -> bool:

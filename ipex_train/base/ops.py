@@ -3,13 +3,13 @@
 Importing this module loads ``ipex_train._C``, whose TORCH_LIBRARY block registers the ``torch.ops.ipex_train``
 ops, and gives each op a fake (meta) implementation so ``torch.compile`` and FakeTensor tracing can see through
 it. Kernel-variant (ISA) selection also lives here (``IPEX_TRAIN_KERNEL`` is applied through it by
-:func:`ipex_train._envvars.apply_kernel_variable` at import).
+:func:`ipex_train.base.envvars.apply_kernel_variable` at import).
 """
 from __future__ import annotations
 
 import torch
 
-from . import _C  # noqa: F401  (registers torch.ops.ipex_train)
+from .. import _C  # noqa: F401  (registers torch.ops.ipex_train)
 
 ops = torch.ops.ipex_train
 

@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from . import _record
-from ._dtensor import is_dtensor, local
-from ._master_weights import LOW_PRECISION, matmul_units, owners
-from ._memory import memory_report
-from ._training_optimizer import TrainingOptimizer, fused_entry, step_backend, user_class
+from ..base.dtensor import is_dtensor, local
+from ..precision import record as _record
+from ..precision.master_weights import LOW_PRECISION, matmul_units, owners
+from ..training.optimizer import TrainingOptimizer, fused_entry, step_backend, user_class
+from .memory import memory_report
 
 _log = logging.getLogger("ipex_train")
 
@@ -152,7 +152,7 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
 
     Works on any model; for one optimize() did not return, it describes the model as it is.
     """
-    from . import compute_policy
+    from .. import compute_policy
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"summary(): model must be a torch.nn.Module, got {type(model).__name__}")
