@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 import ipex_train
-from ipex_train.precision.master_weights import is_matmul_module
+from ipex_train.precision.selection import is_matmul_module
 
 BF16 = torch.bfloat16
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)

@@ -5,8 +5,8 @@
 __version__ = "0.1.0"
 
 from . import optim
-from .base import envvars as _envvars  # noqa: F401  (_ops loads the kernels and registers torch.ops.ipex_train)
-from .base import ops as _ops
+from .base import envvars as _envvars
+from .base.ops import kernel_variant, set_kernel_variant  # importing base.ops loads the kernels (torch.ops.ipex_train)
 from .config import OptimizeConfig
 from .frontend import optimize
 from .inference.jit import enable_onednn_fusion, onednn_fusion_enabled
@@ -19,6 +19,7 @@ _envvars.apply_kernel_variable()  # a bad IPEX_TRAIN_KERNEL is raised at optimiz
 
 __all__ = ["MemoryReport", "OptimizeConfig", "OptimizeSummary", "info", "memory_report", "optim", "optimize", "summary",
            "enable_onednn_fusion", "onednn_fusion_enabled", "enable_auto_channels_last", "disable_auto_channels_last",
+           "kernel_variant", "set_kernel_variant",
            "quantization", "__version__"]
 
 

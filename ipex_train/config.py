@@ -19,6 +19,7 @@ import torch
 from .base import envvars as _envvars
 from .base import options as _options
 from .base.choices import DTYPES, LEVELS, parse_bf16_compute, parse_frozen_weights
+
 _WHERE = "optimize()"
 
 

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 import ipex_train
 from ipex_train import compute_policy
-from ipex_train.precision.master_weights import upcast_inputs
+from ipex_train.precision.casts import upcast_inputs
 
 BF16 = torch.bfloat16
 

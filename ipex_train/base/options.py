@@ -54,3 +54,14 @@ def parse_choice(value: Any, choices: Iterable[str], where: str, upper: bool = F
     if text not in choices:
         raise ValueError(f"{where}={value!r} is not accepted; use one of {', '.join(('auto',) + choices)}")
     return text
+
+
+def check_model_and_optimizer(model: Any, optimizer: Any, where: str) -> None:
+    """TypeError naming ``where`` unless ``model`` is a torch.nn.Module and ``optimizer`` a torch.optim.Optimizer or
+    None (the one type check of every public function taking a model and an optimizer)."""
+    import torch  # here: this module is read by the option parsers, which need no torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{where}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{where}: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")

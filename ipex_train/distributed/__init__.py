@@ -19,7 +19,7 @@ from torch import nn
 
 from ._guard import guard
 
-__all__ = ["check_sharded", "guard", "is_sharded", "prepare_sharded"]
+__all__ = ["check_sharded", "guard", "is_sharded", "sharded_optimizer"]
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -37,9 +37,10 @@ def check_sharded(model: nn.Module, optimizer, dtype, inplace: bool, config, opt
     _fsdp.check(model, optimizer, dtype, inplace, config, optimized_before)
 
 
-def prepare_sharded(model: nn.Module, optimizer, dtype, config, flags, masters):
-    """The training optimizer for the checked FSDP2 ``model`` and the (empty) MasterWeights: ``(optimizer,
-    masters)``; attaches the bf16 compute policy for ``dtype=torch.bfloat16``."""
+def sharded_optimizer(optimizer, masters, fuse: bool):
+    """The training optimizer for the checked FSDP2 model's ``optimizer``: it steps the shards (fused when
+    ``fuse``); ``masters`` is the model's (empty) MasterWeights. An optimizer optimize() already returned for this
+    model is returned as it is."""
     from . import _fsdp
 
-    return _fsdp.prepare(model, optimizer, dtype, config, flags, masters)
+    return _fsdp.sharded_optimizer(optimizer, masters, fuse)

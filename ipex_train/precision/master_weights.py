@@ -1,4 +1,4 @@
-"""Which parameters go low precision, where their fp32 truth lives, and the model hooks that keep it visible.
+"""Where the fp32 truth of low-precision parameters lives, and the model hooks that keep it visible.
 
 A low-precision parameter keeps its Parameter object; only ``param.data`` changes. Its exact fp32 value is held
 by :class:`MasterWeights` as either
@@ -26,75 +26,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
+from ..base.choices import LOW_PRECISION
 from ..base.ops import combine_bf16, split_bf16
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-# Module types whose own parameters feed only matmul-class ops (matmuls, convolutions, embedding lookups, RNN gates)
-# and the bias adds after them, so all of them can go low precision together. A matched module converts together
-# with every module under it, all or nothing: nn.MultiheadAttention and Swin's attention read their child Linears'
-# weights directly, beside their own parameters, in one computation.
-MATMUL_MODULES = (nn.Linear, nn.Bilinear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-                  nn.ConvTranspose3d, nn.Embedding, nn.EmbeddingBag, nn.RNNBase, nn.MultiheadAttention)
-# The same for classes of optional libraries, named "module.QualName" and matched along a module's MRO, so that
-# their library is never imported here.
-MATMUL_MODULE_NAMES = frozenset({
-    "transformers.pytorch_utils.Conv1D",  # GPT-2's projections: a Linear with a transposed weight (addmm)
-    # qkv/proj weights read directly; its relative position bias table is added to the (bf16) attention logits
-    "torchvision.models.swin_transformer.ShiftedWindowAttention",
-})
-
-
-def is_matmul_module(module: nn.Module) -> bool:
-    """Whether ``module``'s type is one whose parameters may go low precision (MATMUL_MODULES and
-    MATMUL_MODULE_NAMES)."""
-    return isinstance(module, MATMUL_MODULES) or any(
-        f"{c.__module__}.{c.__qualname__}" in MATMUL_MODULE_NAMES for c in type(module).__mro__)
-
-
-def matmul_units(model: nn.Module) -> dict[int, nn.Module]:
-    """id of every module lying under a matmul module (itself included) -> the outermost such module: the unit
-    whose parameters convert together."""
-    roots: dict[int, nn.Module] = {}
-
-    def visit(m: nn.Module, root: nn.Module | None) -> None:
-        if root is None and is_matmul_module(m):
-            root = m
-        if root is not None:
-            roots.setdefault(id(m), root)
-        for child in m.children():
-            visit(child, root)
-
-    visit(model, None)
-    return roots
-
-
-def owners(model: nn.Module) -> dict[Tensor, list[nn.Module]]:
-    """Every parameter of ``model`` with the modules that register it (several for tied weights)."""
-    found: dict[Tensor, list[nn.Module]] = defaultdict(list)
-    for m in model.modules():
-        for p in m._parameters.values():
-            if p is not None:
-                found[p].append(m)
-    return found
-
-
-def convertible_parameters(model: nn.Module) -> list[Tensor]:
-    """The fp32 parameters of ``model`` that go low precision: every module registering one lies in a matmul
-    module's unit (see MATMUL_MODULES), and each unit converts all of its fp32 parameters or none (a Linear with
-    an fp32 weight and a bf16 bias could not run)."""
-    units = matmul_units(model)
-    found = owners(model)
-    chosen = {p for p, mods in found.items() if p.dtype == torch.float32 and all(id(m) in units for m in mods)}
-    changed = True
-    while changed:  # a tie can carry an exclusion from one unit to the next
-        changed = False
-        for p in list(chosen):
-            siblings = (q for m in found[p] for q in units[id(m)].parameters())
-            if any(q.dtype == torch.float32 and q not in chosen for q in siblings):
-                chosen.discard(p)
-                changed = True
-    return [p for p in found if p in chosen]
 
 
 def _set_data(p: Tensor, data: Tensor) -> None:
@@ -112,87 +45,6 @@ def set_memory_format(p: Tensor, memory_format: torch.memory_format) -> None:
     """Re-lay ``p`` (an fp32/fp64 parameter without a MasterWeights entry) in ``memory_format``."""
     if not p.is_contiguous(memory_format=memory_format):
         _set_data(p, p.data.contiguous(memory_format=memory_format))
-
-
-def _cast_floats(value, to: torch.dtype, only: tuple[torch.dtype, ...] | None, memo: dict):
-    """``value`` with its floating-point tensors (those of a dtype in ``only``, or any) cast to ``to``, through
-    tuples (an RNN's ``(h, c)``, a PackedSequence). One tensor passed twice stays one tensor (MultiheadAttention
-    takes the self-attention path only when query is key is value)."""
-    if isinstance(value, Tensor):
-        if not value.is_floating_point() or value.dtype == to or (only is not None and value.dtype not in only):
-            return value
-        if id(value) not in memo:
-            memo[id(value)] = value.to(to)
-        return memo[id(value)]
-    if isinstance(value, tuple):
-        items = [_cast_floats(v, to, only, memo) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    return value
-
-
-def _cast_call(args: tuple, kwargs: dict, to: torch.dtype, only: tuple[torch.dtype, ...] | None):
-    memo: dict = {}
-    return (tuple(_cast_floats(a, to, only, memo) for a in args),
-            {k: _cast_floats(v, to, only, memo) for k, v in kwargs.items()})
-
-
-def cast_inputs(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook of a module whose parameters are all low precision: cast its floating-point inputs
-    (positional and keyword: an attention mask too) to its weights' dtype.
-
-    The user's data loader yields fp32 batches, and an fp32 normalisation layer may sit before a bf16 layer.
-    """
-    dtype = next(p.dtype for p in module._parameters.values() if p is not None)
-    return _cast_call(args, kwargs, dtype, None)
-
-
-def upcast_inputs(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook of a module that keeps an fp32 matrix parameter: cast bf16/fp16 inputs to fp32, so that
-    a matmul of its own on that parameter (``x @ self.weight`` in a custom module) does not meet a low-precision
-    activation. Its output is then fp32; the next converted module casts it back down."""
-    return _cast_call(args, kwargs, torch.float32, LOW_PRECISION)
-
-
-def upcast_outputs(module: nn.Module, args: tuple, output):
-    """Forward hook of a module whose parameters are all low precision, under the emulated bf16 compute policy:
-    its low-precision outputs (an embedding lookup, an op on bf16 inputs) come back as fp32, so that activations
-    stay fp32 between modules and only the weights are cast."""
-    return _cast_floats(output, torch.float32, LOW_PRECISION, {})
-
-
-_HOOKS = (cast_inputs, upcast_inputs, upcast_outputs)
-
-
-def register_input_casts(model: nn.Module, fp32_activations: bool = False) -> None:
-    """Make every module of ``model`` that owns parameters take inputs of any floating dtype.
-
-    * Parameters all bf16/fp16 (converted modules, or a low-precision model): inputs cast to that dtype; with
-      ``fp32_activations`` (the emulated bf16 compute policy, which computes bf16 weights against fp32 inputs in
-      fp32) inputs are left as they are (except for RNN modules, which refuse them) and low-precision outputs are
-      cast up to fp32 instead.
-    * An fp32 matrix parameter (two or more dimensions above 1: a bare weight a matmul may use): low-precision
-      inputs cast up to fp32, and the module runs as the user wrote it, in fp32.
-    * Otherwise (normalisation layers, layer scales, class tokens: fp32 vectors, whatever their view) nothing:
-      they act elementwise, where torch takes mixed dtypes (its CPU norms take bf16 inputs with fp32 weights and
-      return bf16).
-
-    Nothing when no parameter of ``model`` is low precision. Idempotent: a module already holding one of these
-    hooks is left alone.
-    """
-    if not any(p.dtype in LOW_PRECISION for p in model.parameters()):
-        return
-    for m in model.modules():
-        params = [p for p in m._parameters.values() if p is not None and p.is_floating_point()]
-        hooks = list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values())
-        if not params or any(h in _HOOKS for h in hooks):
-            continue
-        if all(p.dtype == params[0].dtype for p in params) and params[0].dtype in LOW_PRECISION:
-            if not fp32_activations or isinstance(m, nn.RNNBase):  # nn.RNN* refuse inputs not in their dtype
-                m.register_forward_pre_hook(cast_inputs, with_kwargs=True)
-            if fp32_activations:
-                m.register_forward_hook(upcast_outputs)
-        elif any(p.dtype == torch.float32 and sum(d > 1 for d in p.shape) >= 2 for p in params):
-            m.register_forward_pre_hook(upcast_inputs, with_kwargs=True)
 
 
 class MasterWeights:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from .master_weights import LOW_PRECISION, convertible_parameters
+from .selection import LOW_PRECISION, convertible_parameters
 
 
 def check_model(model: nn.Module, dtype: torch.dtype | None, training_copy: bool) -> None:

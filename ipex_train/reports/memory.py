@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..base.dtensor import local
+from ..base.options import check_model_and_optimizer
 from ..optim import fused, registry, state_formats
 from ..precision import record as _record
 from ..training.optimizer import TrainingOptimizer, user_class
@@ -124,11 +125,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     """The bytes per parameter of training ``model`` with ``optimizer`` as configured (pass what
     ipex_train.optimize() returned; a plain model and torch optimizer work too). See :class:`MemoryReport`."""
 
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"memory_report(): model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"memory_report(): optimizer must be a torch.optim.Optimizer or None, got "
-                        f"{type(optimizer).__name__}")
+    check_model_and_optimizer(model, optimizer, "memory_report()")
     params = list(model.parameters())
     masters = _record.masters(model)
     aux = masters.aux if masters is not None else {}

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from ..base.dtensor import is_dtensor, local
+from ..base.options import check_model_and_optimizer
 from ..precision import record as _record
-from ..precision.master_weights import LOW_PRECISION, matmul_units, owners
-from ..training.optimizer import TrainingOptimizer, fused_entry, step_backend, user_class
-from .memory import memory_report
+from ..precision.selection import LOW_PRECISION, matmul_units, owners
+from ..training.optimizer import TrainingOptimizer, fused_entry, sycl_backend, user_class
 
 _log = logging.getLogger("ipex_train")
 
@@ -154,11 +154,7 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     """
     from .. import compute_policy
 
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"summary(): model must be a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"summary(): optimizer must be a torch.optim.Optimizer or None, got "
-                        f"{type(optimizer).__name__}")
+    check_model_and_optimizer(model, optimizer, "summary()")
     masters = _record.masters(model)
     found = owners(model)
     low_dtypes = {p.dtype for p in found if p.dtype in LOW_PRECISION}
@@ -185,7 +181,7 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     handle = compute_policy.attached(model)
     training = optimizer is not None or masters is not None
     entry = fused_entry(optimizer) if optimizer is not None else None
-    fused, sycl = (entry.name if entry is not None else None), step_backend(optimizer) is not None
+    fused, sycl = (entry.name if entry is not None else None), sycl_backend(optimizer) is not None
     frozen = [p for p in found if not p.requires_grad]
     aux = masters.aux if masters is not None else {}
     return OptimizeSummary(
@@ -204,13 +200,3 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
                                           if p.dtype in LOW_PRECISION and p not in aux),
         frozen_weights=(("low_precision" if masters.frozen_low_precision else "lossless")
                         if masters is not None else None))
-
-
-def record(model: nn.Module, optimizer: torch.optim.Optimizer | None, dtype: torch.dtype | None) -> None:
-    """optimize()'s last step: remember the dtype asked for and log the summary line at INFO (and, in training,
-    the memory line of :func:`ipex_train.memory_report`)."""
-    _record.set_dtype(model, dtype if dtype in LOW_PRECISION else None)
-    if _log.isEnabledFor(logging.INFO):
-        _log.info("%s", summary(model, optimizer))
-        if optimizer is not None:
-            _log.info("%s", memory_report(model, optimizer))

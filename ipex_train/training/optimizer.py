@@ -75,7 +75,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
     Instance attributes beyond torch's: ``_ipex_masters`` (the model's :class:`MasterWeights`), ``_ipex_fuse``
     (use the fused kernels), ``_ipex_source`` (weak reference to the user's optimizer when it shares this one's
     groups and state), ``_ipex_sycl`` (the step backend with optimize(sycl=True), else None: the CPU step),
-    ``_ipex_release`` (the hooks of step_in_backward, else None).
+    ``_ipex_in_backward`` (the hooks of step_in_backward, else None).
     """
 
     _user_class: type = torch.optim.Optimizer
@@ -90,8 +90,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._ipex_release is not None:
-            self._ipex_release.close_step()
+        if self._ipex_in_backward is not None:
+            self._ipex_in_backward.close_step()
         else:
             with torch.no_grad():
                 self._ensure_truth([p for g in self.param_groups for p in g["params"] if p.grad is not None])
@@ -137,19 +137,19 @@ class TrainingOptimizer(torch.optim.Optimizer):
     @property
     def step_in_backward(self) -> bool:
         """Whether backward steps each parameter as its grad is ready (optimize(step_in_backward=True))."""
-        return self._ipex_release is not None
+        return self._ipex_in_backward is not None
 
     def set_step_in_backward(self, enabled: bool) -> None:
         """Turn the step inside backward on (hooks on every parameter; see :mod:`._step_in_backward`) or off (hooks
         removed: backward leaves grads and step() steps them, as torch does)."""
         if not isinstance(enabled, bool):
             raise TypeError(f"set_step_in_backward(): enabled must be True or False, got {enabled!r}")
-        if enabled and self._ipex_release is None:
+        if enabled and self._ipex_in_backward is None:
             _step_in_backward.check_supported(self._user_class, self._fused_entry is not None)
-            self._ipex_release = _step_in_backward.GradientRelease(self)
-        elif not enabled and self._ipex_release is not None:
-            self._ipex_release.remove()
-            self._ipex_release = None
+            self._ipex_in_backward = _step_in_backward.BackwardStepper(self)
+        elif not enabled and self._ipex_in_backward is not None:
+            self._ipex_in_backward.remove()
+            self._ipex_in_backward = None
 
     def _unfused_step(self, params: list[Tensor]) -> None:
         """Run the user's class's step on ``params`` only, low-precision ones holding their fp32 value."""
@@ -201,8 +201,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
             self._ipex_masters.adopt(p)
         if self._ipex_sycl is not None:
             self._ipex_sycl.place_params(self._ipex_masters, params)
-        if self._ipex_release is not None:
-            self._ipex_release.add_group(self.param_groups[-1])
+        if self._ipex_in_backward is not None:
+            self._ipex_in_backward.add_group(self.param_groups[-1])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, keeping the optimizer state fp32 and the param group dicts the same objects.
@@ -247,7 +247,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         # A SYCL queue does not pickle, and the copy's tensors are not USM: the copy steps on the CPU. Hooks live
         # on the original parameters: the copy steps in step() (set_step_in_backward(True) hooks its own).
         state.update(_ipex_masters=self._ipex_masters, _ipex_fuse=self._ipex_fuse, _ipex_source=None,
-                     _ipex_sycl=None, _ipex_release=None)
+                     _ipex_sycl=None, _ipex_in_backward=None)
         return state
 
     def __reduce__(self):
@@ -281,7 +281,7 @@ def fused_entry(optimizer: torch.optim.Optimizer):
     return optimizer._fused_entry
 
 
-def step_backend(optimizer: torch.optim.Optimizer):
+def sycl_backend(optimizer: torch.optim.Optimizer):
     """The step backend of an optimizer optimize(sycl=True) returned (:class:`ipex_train.xpu.SyclBackend`), else
     None (the CPU step)."""
     return optimizer._ipex_sycl if isinstance(optimizer, TrainingOptimizer) else None
@@ -323,7 +323,7 @@ def training_optimizer(optimizer: torch.optim.Optimizer, masters: MasterWeights,
     new._ipex_masters = masters
     new._ipex_fuse = fuse
     new._ipex_sycl = sycl
-    new._ipex_release = None
+    new._ipex_in_backward = None
     for group in new.param_groups:
         for p in group["params"]:
             masters.adopt(p)

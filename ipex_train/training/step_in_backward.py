@@ -13,7 +13,7 @@ What follows from stepping during backward:
   ``optimizer.step()`` raises RuntimeError (and drops that grad): gradient accumulation over several backwards is
   not possible. A backward that raised part way (a tensor hook, an error in the graph) has stepped the parameters
   it reached; retrying it steps the others and skips those (every parameter is stepped once per optimizer step),
-  and ``optimizer.step()`` instead ends the step as it stands, with a warning (:class:`GradientRelease`).
+  and ``optimizer.step()`` instead ends the step as it stands, with a warning (:class:`BackwardStepper`).
 * Parameters frozen (``requires_grad=False``) when the mode was turned on cannot be hooked: once unfrozen, the
   next ``optimizer.step()`` steps them from the grads backward left (as the normal step does) and hooks them.
 * Only optimizers whose step updates each parameter from its own grad and state can step one parameter at a time:
@@ -95,7 +95,7 @@ _released = WeakIdKeyDictionary()
 def _stepped_in_backward(p: Tensor) -> bool:
     ref = _released.get(p)
     optimizer = None if ref is None else ref()
-    return optimizer is not None and optimizer._ipex_release is not None
+    return optimizer is not None and optimizer._ipex_in_backward is not None
 
 
 def _refuse_released(clip):
@@ -143,7 +143,7 @@ def _wrap_clipping() -> None:
 
 def _hook(ref: weakref.ref, group: dict, p: Tensor) -> None:
     optimizer = ref()
-    release = None if optimizer is None else optimizer._ipex_release
+    release = None if optimizer is None else optimizer._ipex_in_backward
     if release is None:  # the optimizer is gone or turned the mode off: the grad stays, as without hooks
         return
     release.enter_backward()
@@ -173,7 +173,7 @@ def _finished(ref: weakref.ref) -> None:
         release.completed = True
 
 
-class GradientRelease:
+class BackwardStepper:
     """The hooks of one optimizer in step-in-backward mode, and where its current step stands: the parameters
     stepped since its last step(), and whether a backward that stepped them ran to its end.
 
