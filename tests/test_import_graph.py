@@ -12,6 +12,10 @@ sub-package such as ``ipex_train.optim``. Privacy rules:
 * a private module (``ipex_train.base.ops``, ``ipex_train.optim._layouts``) belongs to its package: modules of that
   package and of its sub-packages may import it (sub-packages build on their parent's internals), siblings and
   the parent may not. What other packages use of a package is a public module or name (``ipex_train.optim.registry``).
+
+Layers: :data:`ALLOWED` says, for each top-level part of ipex_train (a sub-package, ``config``, or the package root
+``__init__``/``__main__``), which other parts it may import. The table is acyclic, so it is a layer order, and every
+part must be listed: a new package states its place in the layers here (docs/architecture.md draws the same table).
 """
 
 import ast
@@ -43,6 +47,28 @@ def _modules():
 
 
 MODULES = _modules()
+
+# part -> the parts it may import (see the module docstring); "" is the package root (__init__, __main__).
+ALLOWED = {
+    "base": set(),  # the C++ ops, options and environment parsing, choice lists, small torch helpers
+    "optim": {"base"},  # the optimizers, their fused steps and state formats
+    "attention": {"base"},  # kernels with their torch ops
+    "rms_norm": {"base"},
+    "xpu": {"base", "optim"},  # the same steps on SYCL queues
+    "inference": {"base"},  # folding, export (TorchScript, AOTInductor)
+    "precision": {"base"},  # what goes low precision, casts, master weights, channels-last, the optimize() record
+    "compute_policy": {"base", "attention", "rms_norm"},  # how bf16 ops are computed, and the routes to our kernels
+    "config": {"base"},  # OptimizeConfig
+    "training": {"base", "optim", "precision"},  # the returned optimizer, the step inside backward
+    "distributed": {"base", "optim", "precision", "training"},  # FSDP2
+    "quantization": {"base", "precision", "inference", "compute_policy"},
+    "reports": {"base", "optim", "precision", "compute_policy", "training", "xpu"},  # summary, memory, info: read only
+    "frontend": {"base", "config", "optim", "precision", "compute_policy", "training", "distributed", "inference",
+                 "reports", "xpu"},  # optimize(): plan + apply
+    "integrations": {"base", "config", "optim", "precision", "compute_policy", "training", "distributed", "attention",
+                     "reports", "frontend"},  # the libraries users train with
+    "": {"base", "optim", "config", "frontend", "inference", "precision", "reports", "quantization"},
+}
 
 
 def _resolve(module, is_pkg, node):
@@ -152,11 +178,40 @@ def _crossings():
     return names, modules
 
 
+EXTENSION = "ipex_train._C"  # the compiled kernels (setup.py); loaded by base.ops alone
+
+
 def test_no_private_names_across_packages():
     names, _ = _crossings()
+    loaders = {module for module, name in names if name == EXTENSION}
+    assert loaders <= {"ipex_train.base.ops"}, f"only ipex_train.base.ops loads {EXTENSION}, not {loaders}"
+    names = {(module, name) for module, name in names if name != EXTENSION}
     assert not names, "private names imported from another package:\n" + "\n".join(sorted(map(str, names)))
 
 
 def test_private_modules_stay_in_their_package():
     _, modules = _crossings()
     assert not modules, "private modules imported from outside their package:\n" + "\n".join(sorted(map(str, modules)))
+
+
+def _part(module):
+    rest = module[len(PKG) + 1:] if module != PKG else ""
+    first = rest.split(".")[0]
+    return first if f"{PKG}.{first}" in MODULES and MODULES[f"{PKG}.{first}"][1] or first == "config" else ""
+
+
+def test_every_part_has_a_layer():
+    parts = {_part(m) for m in MODULES}
+    assert parts <= set(ALLOWED), f"add these parts to ALLOWED (their place in the layers): {parts - set(ALLOWED)}"
+
+
+def test_layers_are_acyclic():
+    cycle = _cycle({part: set(targets) for part, targets in ALLOWED.items()})
+    assert cycle is None, "the allowed-edges table has a cycle: " + " -> ".join(cycle)
+
+
+def test_imports_follow_the_layers():
+    wrong = sorted((module, target) for module, targets in _edges().items() for target in targets
+                   if _part(target) != _part(module) and _part(target) not in ALLOWED[_part(module)])
+    assert not wrong, "imports against the layers (tests/test_import_graph.py ALLOWED):\n" + "\n".join(
+        f"{m} -> {t}" for m, t in wrong)

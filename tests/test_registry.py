@@ -215,3 +215,13 @@ def test_bad_environment_switch_is_a_value_error(monkeypatch):
     monkeypatch.setenv("IPEX_TRAIN_SYCL", "sometimes")
     with pytest.raises(ValueError, match="IPEX_TRAIN_SYCL='sometimes'"):
         xpu.enabled()
+
+
+def test_norm_scaled_entries_have_a_shard_rule():
+    # The registry entry says whether an update needs whole-tensor norms; the FSDP2 step reads that flag alone.
+    from ipex_train.optim import sharded
+
+    flagged = {e.name for e in registry.OPTIMIZERS if e.whole_tensor_norms}
+    assert flagged == {"lamb", "lars"}
+    assert flagged == set(sharded._NORM_RULES)
+    assert sharded.needs_norms(Lamb.FUSED) and not sharded.needs_norms(registry.for_class(torch.optim.AdamW))

@@ -90,22 +90,40 @@ def _fold(model, sample_input, kinds, needs_sample):
         candidates.extend(_traced_pairs(model, graph, kinds, {p.label for p in candidates}))
     proven, skipped = {}, {}
     for pair in candidates:
-        if isinstance(flow, _Flow):
-            reason = flow.verdict(pair)
-        elif isinstance(graph, GraphFlow):
-            reason = graph.verdict(pair.first_name, pair.bn_name, pair.in_sequential)
-        elif pair.in_sequential and not needs_sample:
-            reason = None
-        elif flow is not None:
-            reason = flow
-        elif needs_sample:
-            reason = "needs sample_input to check the Linear output is 2-D"
-        else:
-            reason = f"{graph}; pass sample_input to prove the data flow"
+        reason = _verdict(pair, flow, graph, needs_sample)
         if reason:
             skipped[pair.label] = reason
         else:
             proven[pair.label] = pair
+    report = _fold_proven(proven, registrations, skipped)
+    if skipped:
+        first = list(skipped.items())[:_LOGGED]
+        logger.info("BatchNorm folding left %d pair(s) unfolded%s: %s%s", len(skipped),
+                    ", first" if len(skipped) > _LOGGED else "",
+                    "; ".join(f"{label} ({reason})" for label, reason in first),
+                    "; the returned report lists all" if len(skipped) > _LOGGED else "")
+    return report
+
+
+def _verdict(pair, flow, graph, needs_sample) -> str | None:
+    """Why ``pair`` cannot be proven to fold (None: proven), from the observed flow, the traced graph, or the
+    registration order alone."""
+    if isinstance(flow, _Flow):
+        return flow.verdict(pair)
+    if isinstance(graph, GraphFlow):
+        return graph.verdict(pair.first_name, pair.bn_name, pair.in_sequential)
+    if pair.in_sequential and not needs_sample:
+        return None
+    if flow is not None:
+        return flow
+    if needs_sample:
+        return "needs sample_input to check the Linear output is 2-D"
+    return f"{graph}; pass sample_input to prove the data flow"
+
+
+def _fold_proven(proven, registrations, skipped) -> list[str]:
+    """Fold every proven pair that can be folded (its BatchNorm replaced by Identity); the others go to
+    ``skipped``. Returns the report lines, folded then skipped."""
     report = []
     for label, pair in proven.items():
         reason = _unfoldable(pair, registrations)
@@ -117,12 +135,6 @@ def _fold(model, sample_input, kinds, needs_sample):
             setattr(parent, name, nn.Identity())
         report.append(f"folded {label}")
     report.extend(f"skipped {label}: {reason}" for label, reason in skipped.items())
-    if skipped:
-        first = list(skipped.items())[:_LOGGED]
-        logger.info("BatchNorm folding left %d pair(s) unfolded%s: %s%s", len(skipped),
-                    ", first" if len(skipped) > _LOGGED else "",
-                    "; ".join(f"{label} ({reason})" for label, reason in first),
-                    "; the returned report lists all" if len(skipped) > _LOGGED else "")
     return report
 
 

@@ -53,4 +53,4 @@ class Lamb(FusableOptimizer):
 Lamb.FUSED = register(FusedOptimizer(
     "lamb", Lamb, (State("exp_avg", "exp_avgs"), State("exp_avg_sq", "exp_avg_sqs", signed=False)),
     (Hyper("lr"), Hyper("beta1", "betas", 0), Hyper("beta2", "betas", 1), Hyper("weight_decay"), Hyper("eps"),
-     Hyper("bias_correction", type=bool))))
+     Hyper("bias_correction", type=bool)), whole_tensor_norms=True))

@@ -41,4 +41,4 @@ class Lars(FusableOptimizer):
 Lars.FUSED = register(FusedOptimizer(
     "lars", Lars, (State("momentum_buffer", "momentum_buffers"),),
     (Hyper("lr"), Hyper("momentum"), Hyper("weight_decay"), Hyper("eeta"), Hyper("epsilon")),
-    counts_steps=False))
+    counts_steps=False, whole_tensor_norms=True))

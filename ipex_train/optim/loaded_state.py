@@ -78,32 +78,35 @@ def check_checkpoint(entry: FusedOptimizer, state_dict: Any, param_groups: Seque
         for p, saved_id in zip(group["params"], saved["params"]):
             where_saved[saved_id] = (p, saved)
     for saved_id, st in saved_state.items():
-        if saved_id not in where_saved:
-            continue
-        p, saved = where_saved[saved_id]
-        name = f"{where}: state[{saved_id!r}]"
-        if not isinstance(st, Mapping):
-            raise TypeError(f"{name} is a {type(st).__name__}; expected a dict of the parameter's state")
-        if not st:
-            continue
-        required = required_keys(entry, saved)
-        missing = sorted(required - st.keys())
-        if missing:
-            raise ValueError(f"{name} holds {sorted(st)} but not {', '.join(map(repr, missing))}: "
-                             f"the optimizer keeps {sorted(required)} for every parameter that has stepped, and "
-                             "making up the missing part would step from a wrong value (torch.optim raises "
-                             "KeyError). Load a complete checkpoint, or drop the entry to start this "
-                             "parameter's state afresh")
-        if "step" in st:
-            problem = _step_problem(st["step"])
-            if problem is not None:
-                raise ValueError(f"{name}['step'] is {problem}; expected the number of steps taken, a finite number "
-                                 ">= 0 (an int, a float or a one-element tensor)")
-        for key in required - {"step"} | {s.key for s in entry.state if st.get(s.key) is not None}:
-            problem = _tensor_problem(st[key], p)
-            if problem is not None:
-                raise ValueError(f"{name}[{key!r}] is {problem}; expected a floating-point tensor shaped like its "
-                                 f"parameter, {tuple(p.shape)}")
+        if saved_id in where_saved:
+            p, saved = where_saved[saved_id]
+            _check_saved_entry(entry, saved, p, st, f"{where}: state[{saved_id!r}]")
+
+
+def _check_saved_entry(entry: FusedOptimizer, saved_group: Mapping[str, Any], p: Tensor, st: Any, name: str) -> None:
+    """One parameter's saved state: fresh (empty), or holding every key the step needs, well-formed."""
+    if not isinstance(st, Mapping):
+        raise TypeError(f"{name} is a {type(st).__name__}; expected a dict of the parameter's state")
+    if not st:
+        return
+    required = required_keys(entry, saved_group)
+    missing = sorted(required - st.keys())
+    if missing:
+        raise ValueError(f"{name} holds {sorted(st)} but not {', '.join(map(repr, missing))}: "
+                         f"the optimizer keeps {sorted(required)} for every parameter that has stepped, and "
+                         "making up the missing part would step from a wrong value (torch.optim raises "
+                         "KeyError). Load a complete checkpoint, or drop the entry to start this "
+                         "parameter's state afresh")
+    if "step" in st:
+        problem = _step_problem(st["step"])
+        if problem is not None:
+            raise ValueError(f"{name}['step'] is {problem}; expected the number of steps taken, a finite number "
+                             ">= 0 (an int, a float or a one-element tensor)")
+    for key in required - {"step"} | {s.key for s in entry.state if st.get(s.key) is not None}:
+        problem = _tensor_problem(st[key], p)
+        if problem is not None:
+            raise ValueError(f"{name}[{key!r}] is {problem}; expected a floating-point tensor shaped like its "
+                             f"parameter, {tuple(p.shape)}")
 
 
 def check_entries(entry: FusedOptimizer, group: Mapping[str, Any], params: Sequence[Tensor],

@@ -67,7 +67,9 @@ def _flag(arg: str, default: bool | None = None) -> Hyper:
 class FusedOptimizer:
     """A fused optimizer: kernel ``name``, the torch.optim class whose step it is (subclasses that keep that step
     fuse too), its state, whether it counts steps (torch's ``step`` state), whether it takes SGD's fresh-buffer
-    flags (torch creates a momentum buffer from the first grad), and its scalar arguments."""
+    flags (torch creates a momentum buffer from the first grad), its scalar arguments, and whether its update is
+    scaled by whole-tensor norms (Lamb's trust ratio, Lars' local learning rate: a shard of a parameter cannot step
+    alone, :mod:`.sharded` sums the norms across the shard group)."""
 
     name: str
     optimizer_class: type
@@ -75,6 +77,7 @@ class FusedOptimizer:
     hyperparameters: tuple[Hyper, ...]
     counts_steps: bool = True
     fresh_flags: bool = False
+    whole_tensor_norms: bool = False
 
     @property
     def op_name(self) -> str:

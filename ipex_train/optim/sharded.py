@@ -25,17 +25,13 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from . import _sharded_load, fused, state_formats
-from .lamb import Lamb
-from .lars import Lars
 from .registry import FusedOptimizer
-
-# Optimizers whose update needs whole-parameter norms: stepped by _norm_step, not the per-shard kernel.
-NORM_CLASSES = (Lamb, Lars)
 
 
 def needs_norms(entry: FusedOptimizer | None) -> bool:
-    """Whether fused optimizer ``entry`` scales updates by whole-parameter norms (Lamb, Lars)."""
-    return entry is not None and issubclass(entry.optimizer_class, NORM_CLASSES)
+    """Whether fused optimizer ``entry`` scales updates by whole-parameter norms (its registry entry says so):
+    stepped by :func:`_norm_step`, not the per-shard kernel."""
+    return entry is not None and entry.whole_tensor_norms
 
 
 def _wrap(t: Tensor, p: DTensor) -> Tensor:
@@ -141,8 +137,7 @@ def _norm_step(entry: FusedOptimizer, group: dict[str, Any], state: MutableMappi
     lp = [p._local_tensor for p in params]
     grads = [p.grad._local_tensor for p in params]
     work = _Working(entry, group, local, lp, fused.state_lists(entry, group, local, lp))
-    rule = _lamb if issubclass(entry.optimizer_class, Lamb) else _lars
-    rule(group, lp, grads, work, params)
+    _NORM_RULES[entry.name](group, lp, grads, work, params)
     _store_state(state, params, local)
 
 
@@ -230,3 +225,8 @@ def load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
             old.update(new)
     optimizer.param_groups = groups
     state_formats.restore_settings(groups, settings)
+
+
+# The shard rule of each fused optimizer whose registry entry has whole_tensor_norms (tests/test_fsdp2.py checks
+# that every such entry has one).
+_NORM_RULES = {"lamb": _lamb, "lars": _lars}

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..precision.record import copy_model
-from . import _summary
+from . import _qconf_file
 from ._graph import Graph, Recorder
 from ._kernels import engine_scope, weight_bits
 from ._qconfig import QConfig, default_static_qconfig
@@ -55,20 +55,20 @@ class PreparedModel(nn.Module):
                           f"{', '.join(flat)}; the scale there is a floor value and any other value will saturate. "
                           "Calibrate on representative data, or set inputs_quantized to false for these ops in "
                           "the qconf summary to keep them fp32", UserWarning, stacklevel=2)
-        return [_summary.entry(op, self.qconfig, self.weight_bits) for op in self._graph.ops]
+        return [_qconf_file.entry(op, self.qconfig, self.weight_bits) for op in self._graph.ops]
 
     def save_qconf_summary(self, qconf_summary) -> None:
         """Write the calibration result to the JSON file ``qconf_summary`` (IPEX's name). ValueError, and no
         file written, where the result is one load_qconf_summary would refuse (a scale out of range)."""
         summary = self.qconf_summary()
-        _summary.validate(summary, self._graph.ops, "save_qconf_summary")
-        _summary.save(summary, qconf_summary)
+        _qconf_file.validate(summary, self._graph.ops, "save_qconf_summary")
+        _qconf_file.save(summary, qconf_summary)
 
     def load_qconf_summary(self, qconf_summary) -> None:
         """Read a JSON summary saved by save_qconf_summary (possibly edited); convert() then uses it instead of the
         observers. A file that does not match this model raises ValueError naming the first mismatch and
         changes nothing."""
-        self._loaded = _summary.load(qconf_summary, self._graph.ops)
+        self._loaded = _qconf_file.load(qconf_summary, self._graph.ops)
 
     def ops(self) -> list[str]:
         """One line per quantizable op: id, name, type."""
@@ -174,6 +174,25 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
     if backend == "pt2e":
         return _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes, fuse_linears,
                              bf16_attention)
+    _check_eager(prepared, inplace)
+    summary = prepared.qconf_summary()
+    graph = prepared._graph
+    _qconf_file.validate(summary, graph.ops, "convert()")
+    model = prepared.model if inplace else copy_model(prepared.model)[0]
+    with engine_scope(), torch.no_grad():
+        layers, adds, fp32 = _int8_parts(model, graph, summary)
+    graph.remove_hooks(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in layers:
+                setattr(parent, name, layers[id(child)])
+    model = layers.get(id(model), model)  # the model may itself be a single Conv/Linear
+    if inplace:
+        prepared._converted = True
+    return QuantizedModel(model, adds, summary, fp32).eval()
+
+
+def _check_eager(prepared, inplace) -> None:
     if isinstance(prepared, QuantizedModel):
         raise TypeError("convert(): prepared is already converted (a QuantizedModel); convert the PreparedModel "
                         "returned by prepare() once")
@@ -186,40 +205,29 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
         raise TypeError(f"convert(): inplace must be a bool, got {type(inplace).__name__}")
     if prepared.training or prepared.model.training:
         raise ValueError("convert(): the prepared model is in training mode; call .eval() on it")
-    summary = prepared.qconf_summary()
-    graph = prepared._graph
-    _summary.validate(summary, graph.ops, "convert()")
-    if inplace:
-        model = prepared.model
-    else:
-        model, _ = copy_model(prepared.model)
+
+
+def _int8_parts(model, graph, summary):
+    """The int8 layers (by id of the module they replace), the int8 adds (by their input names) and the reasons
+    the other ops stay fp32, for the summary ``summary`` of ``graph``."""
     layers, adds, fp32 = {}, {}, []
-    with engine_scope(), torch.no_grad():
-        for op, e in zip(graph.ops, summary):
-            if not _summary.int8(e):
-                never = any(v is None for v in e["input_scales"])
-                fp32.append(f"{op.name} ({op.kind}): " + ("never ran during calibration" if never
-                                                           else "inputs_quantized is false in the summary"))
-            elif op.module is None:
-                key = tuple(f.removesuffix(".output0") for f in op.inputs_flow)
-                adds[key] = AddPlan(op.name, e["output_scales"][0], e["output_zero_points"][0],
-                                    e["post_op"] == "relu", e["outputs_quantized"][0])
+    for op, e in zip(graph.ops, summary):
+        if not _qconf_file.int8(e):
+            never = any(v is None for v in e["input_scales"])
+            fp32.append(f"{op.name} ({op.kind}): " + ("never ran during calibration" if never
+                                                       else "inputs_quantized is false in the summary"))
+        elif op.module is None:
+            key = tuple(f.removesuffix(".output0") for f in op.inputs_flow)
+            adds[key] = AddPlan(op.name, e["output_scales"][0], e["output_zero_points"][0],
+                                e["post_op"] == "relu", e["outputs_quantized"][0])
+        else:
+            source = model.get_submodule(op.name)
+            reason = _unsupported(source)
+            if reason:
+                fp32.append(f"{op.name} ({op.kind}): {reason}")
             else:
-                source = model.get_submodule(op.name)
-                reason = _unsupported(source)
-                if reason:
-                    fp32.append(f"{op.name} ({op.kind}): {reason}")
-                else:
-                    layers[id(source)] = _int8_layer(op, source, e)
-    graph.remove_hooks(model)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if id(child) in layers:
-                setattr(parent, name, layers[id(child)])
-    model = layers.get(id(model), model)  # the model may itself be a single Conv/Linear
-    if inplace:
-        prepared._converted = True
-    return QuantizedModel(model, adds, summary, fp32).eval()
+                layers[id(source)] = _int8_layer(op, source, e)
+    return layers, adds, fp32
 
 
 def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shapes, fuse_linears, bf16_attention):
@@ -247,7 +255,7 @@ def _convert_pt2e(prepared, inplace, example_inputs, dynamic_dims, dynamic_shape
     if prepared._converted:
         raise RuntimeError("convert(): this prepared model was already converted in place")
     summary = prepared.qconf_summary()
-    _summary.validate(summary, prepared._graph.ops, "convert()")
+    _qconf_file.validate(summary, prepared._graph.ops, "convert()")
     model, _ = copy_model(prepared.model)
     prepared._graph.remove_hooks(model)
     try:

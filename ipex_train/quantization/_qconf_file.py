@@ -107,6 +107,17 @@ def _check(e, op, i, caller) -> None:
     for key in _STRUCTURE:
         if e.get(key) != want[key]:
             raise ValueError(f"{where}: {key} is {e.get(key)!r} in the file but {want[key]!r} in this model")
+    _check_sides(e, op, where)
+    if e.get("algorithm") not in ("min_max", "histogram"):
+        raise ValueError(f"{where}: algorithm must be \"min_max\" or \"histogram\", got {e.get('algorithm')!r}")
+    if e.get("post_op") not in (None, "relu"):
+        raise ValueError(f"{where}: post_op must be null or \"relu\", got {e.get('post_op')!r}")
+    if op.module is not None:
+        _check_weight(e, op, where)
+
+
+def _check_sides(e, op, where: str) -> None:
+    """The per-input and per-output lists: quantized flags, dtypes, scales and zero points."""
     n = {"input": op.n_inputs, "output": 1}
     for side in ("input", "output"):
         for key, check in ((f"{side}s_quantized" if side == "input" else "outputs_quantized", _bool),
@@ -115,16 +126,14 @@ def _check(e, op, i, caller) -> None:
             values = e.get(key)
             if not isinstance(values, list) or len(values) != n[side]:
                 raise ValueError(f"{where}: {key} must be a list of {n[side]}, got {values!r}")
+            nullable = key.endswith(("scales", "zero_points")) and not int8(e)
             for k, v in enumerate(values):
-                nullable = key.endswith(("scales", "zero_points")) and not int8(e)
                 if not (nullable and v is None) and not check(v):
                     raise ValueError(f"{where}: {key}[{k}] = {v!r} is not {check.__doc__}")
-    if e.get("algorithm") not in ("min_max", "histogram"):
-        raise ValueError(f"{where}: algorithm must be \"min_max\" or \"histogram\", got {e.get('algorithm')!r}")
-    if e.get("post_op") not in (None, "relu"):
-        raise ValueError(f"{where}: post_op must be null or \"relu\", got {e.get('post_op')!r}")
-    if op.module is None:
-        return
+
+
+def _check_weight(e, op, where: str) -> None:
+    """The weight's quantization range, scales and their granularity against the module's output channels."""
     rng = e.get("weight_quant_range")
     if rng not in WEIGHT_RANGES:
         raise ValueError(f"{where}: weight_quant_range must be one of {WEIGHT_RANGES}, got {rng!r}")
