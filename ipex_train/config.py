@@ -18,7 +18,7 @@ import torch
 
 from .base import envvars as _envvars
 from .base import options as _options
-from .base.choices import DTYPES, LEVELS, parse_bf16_compute, parse_frozen_weights
+from .base.choices import DTYPES, LEVELS, parse_bf16_compute, parse_frozen_weights, parse_nonfinite_grads
 
 _WHERE = "optimize()"
 
@@ -49,6 +49,9 @@ class OptimizeConfig:
             state; stored as None, torch.bfloat16 or "int8").
         frozen_weights: None/"lossless" (frozen fp32 weights keep their fp32 truth) or "low_precision" (frozen fp32
             weights are held in the low-precision dtype only); stored lower case, "lossless" as None.
+        nonfinite_grads: None/"skip" (a step whose gradients hold NaN or Inf changes no weight and no optimizer state,
+            and is counted), "raise" (RuntimeError naming the parameter, nothing changed) or "off" (no check);
+            stored lower case, "skip" as None.
 
     Raises :class:`TypeError` for a value of the wrong type (a non-bool flag) and ValueError for a value that is
     not accepted, naming the field.
@@ -67,6 +70,7 @@ class OptimizeConfig:
     step_in_backward: bool | None = None
     optimizer_state_dtype: torch.dtype | str | None = None
     frozen_weights: str | None = None
+    nonfinite_grads: str | None = None
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
@@ -79,6 +83,8 @@ class OptimizeConfig:
         object.__setattr__(self, "bf16_compute", parse_bf16_compute(self.bf16_compute, f"{_WHERE}: bf16_compute"))
         frozen = parse_frozen_weights(self.frozen_weights, f"{_WHERE}: frozen_weights")
         object.__setattr__(self, "frozen_weights", None if frozen == "lossless" else frozen)
+        guard = parse_nonfinite_grads(self.nonfinite_grads, f"{_WHERE}: nonfinite_grads")
+        object.__setattr__(self, "nonfinite_grads", None if guard == "skip" else guard)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **options: Any) -> OptimizeConfig:
@@ -89,7 +95,8 @@ class OptimizeConfig:
 
         Environment spellings (any case): dtype bf16/bfloat16, fp32/float32, fp16/float16 or auto; level O0/O1;
         flags 1/0, true/false, yes/no, on/off or auto; bf16_compute auto/native/emulated; optimizer_state_dtype
-        bf16/bfloat16, int8, fp32/float32 or auto; frozen_weights lossless/low_precision or auto. Raises
+        bf16/bfloat16, int8, fp32/float32 or auto; frozen_weights lossless/low_precision or auto; nonfinite_grads
+        skip/raise/off or auto. Raises
         ValueError naming the option or the variable for a value
         it does not accept (TypeError for an option of the wrong type).
         """
@@ -135,7 +142,7 @@ class OptimizeConfig:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(OptimizeConfig))
-TRAINING_ONLY = ("sycl", "step_in_backward", "optimizer_state_dtype", "frozen_weights")
+TRAINING_ONLY = ("sycl", "step_in_backward", "optimizer_state_dtype", "frozen_weights", "nonfinite_grads")
 FLAGS = ("conv_bn_folding", "linear_bn_folding", "replace_dropout_with_identity", "split_master_weight_for_bf16",
          "fuse_update_step", "auto_channels_last", "sycl",
          "step_in_backward")

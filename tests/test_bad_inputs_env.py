@@ -55,7 +55,7 @@ def test_kernel_variable_is_case_insensitive(value, variant):
 def test_bad_kernel_variable_is_raised_at_optimize_and_first_kernel_call():
     code = """
 import torch, ipex_train
-from ipex_train import _ops
+from ipex_train.base import ops as _ops
 m = torch.nn.Linear(4, 4)
 for call in (lambda: ipex_train.optimize(m, torch.optim.SGD(m.parameters(), lr=0.1)),
              lambda: _ops.split_bf16(torch.ones(8)), _ops.kernel_variant):

@@ -17,6 +17,7 @@ LEVELS = ("O0", "O1")
 BF16_COMPUTE = ("native", "emulated")  # how bf16 matmuls are computed (ipex_train.compute_policy)
 KERNEL_VARIANTS = ("avx512", "avx2", "scalar")
 FROZEN_WEIGHTS = ("lossless", "low_precision")
+NONFINITE_GRADS = ("skip", "raise", "off")  # what a training step does with NaN/Inf gradients
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # the dtypes optimize() stores weights in, with an fp32 truth
 DTYPES = (None, torch.float32, *LOW_PRECISION)  # optimize()'s dtype
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
@@ -50,6 +51,11 @@ def parse_level(value: Any, where: str) -> str | None:
 def parse_frozen_weights(value: Any, where: str) -> str | None:
     """How frozen weights are held ("lossless"/"low_precision", any case) or None for None/"auto"/""."""
     return parse_choice(value, FROZEN_WEIGHTS, where)
+
+
+def parse_nonfinite_grads(value: Any, where: str) -> str | None:
+    """The non-finite-gradient guard ("skip"/"raise"/"off", any case) or None for None/"auto"/""."""
+    return parse_choice(value, NONFINITE_GRADS, where)
 
 
 def parse_kernel_variant(value: Any, where: str) -> str | None:

@@ -29,6 +29,7 @@ from .choices import (
     parse_frozen_weights,
     parse_kernel_variant,
     parse_level,
+    parse_nonfinite_grads,
     parse_state_dtype,
 )
 from .options import parse_bool
@@ -92,6 +93,7 @@ OPTIONS: dict[str, Variable] = {v.name.removeprefix(PREFIX).lower(): v for v in 
             parse_state_dtype),
     _option("frozen_weights", "lossless, low_precision, auto", "auto (lossless)",
             parse_frozen_weights),
+    _option("nonfinite_grads", "skip, raise, off, auto", "auto (skip)", parse_nonfinite_grads),
 )}
 
 KERNEL = Variable(PREFIX + "KERNEL", "auto, avx512, avx2, scalar", "auto (the best variant this CPU runs)",

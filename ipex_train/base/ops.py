@@ -98,6 +98,12 @@ def combine_bf16(top: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return ops.combine_bf16(top, residual)
 
 
+def first_nonfinite(tensors: list[torch.Tensor]) -> int:
+    """The index of the first of ``tensors`` (dense CPU tensors) holding a NaN or an Inf, or -1: one pass over their
+    bits, parallel, the same answer at any thread count (kernels_cpu/src/nonfinite.cpp)."""
+    return ops.first_nonfinite(tensors)
+
+
 def emulated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     scratch: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for an fp32 ``x`` and a 2-D bf16 ``weight`` (bias bf16 or None), computed in

@@ -38,7 +38,7 @@ __all__ = ["optimize"]
 def optimize(model, optimizer=None, dtype=None, level=None, inplace=False, conv_bn_folding=None,
              linear_bn_folding=None, replace_dropout_with_identity=None, split_master_weight_for_bf16=None,
              fuse_update_step=None, auto_channels_last=None, sample_input=None, bf16_compute=None, sycl=None, *,
-             step_in_backward=None, optimizer_state_dtype=None, frozen_weights=None,
+             step_in_backward=None, optimizer_state_dtype=None, frozen_weights=None, nonfinite_grads=None,
              config: OptimizeConfig | None = None):
     """Prepare ``model`` (and ``optimizer``) for fast CPU training, or ``model`` alone for inference.
 
@@ -106,6 +106,12 @@ def optimize(model, optimizer=None, dtype=None, level=None, inplace=False, conv_
             it later (after setting requires_grad=True) raises RuntimeError. The summary and memory lines count
             frozen parameters separately. On fully_shard (FSDP2) models frozen weights stay fp32 shards (lossless);
             "low_precision" is refused there (docs/distributed.md).
+        nonfinite_grads: training only; what a step whose gradients hold NaN or Inf does. None/"skip" (default):
+            nothing is stepped (no weight, no optimizer state changes), the step is counted
+            (summary().nonfinite_skipped_steps) and the first one is logged at WARNING with the parameter's name;
+            with step_in_backward the same per parameter (the others stay stepped). "raise": RuntimeError naming
+            the parameter, nothing stepped. "off": no check (it reads every gradient once per step:
+            docs/bad_inputs.md has its cost).
         config: an :class:`ipex_train.OptimizeConfig` holding the options above (dtype through
             optimizer_state_dtype), instead of passing them one by one; a keyword argument given next to it must
             agree with the config's field (ValueError naming both otherwise); fields left None are read from the
@@ -127,7 +133,8 @@ def optimize(model, optimizer=None, dtype=None, level=None, inplace=False, conv_
                      split_master_weight_for_bf16=split_master_weight_for_bf16, fuse_update_step=fuse_update_step,
                      auto_channels_last=auto_channels_last, bf16_compute=bf16_compute, sycl=sycl,
                      step_in_backward=step_in_backward,
-                     optimizer_state_dtype=optimizer_state_dtype, frozen_weights=frozen_weights)
+                     optimizer_state_dtype=optimizer_state_dtype, frozen_weights=frozen_weights,
+                     nonfinite_grads=nonfinite_grads)
     config = resolve_config(config, training=optimizer is not None, **shorthand)  # the one read of the environment
     plan = make_plan(model, optimizer, config, inplace=inplace, sample_input=sample_input)
     return apply(plan, model, optimizer)

@@ -21,7 +21,7 @@ from ..precision.master_weights import MasterWeights, set_memory_format
 from ..precision.selection import convertible_parameters
 from ..reports.memory import memory_report
 from ..reports.summary import summary
-from ..training.optimizer import training_optimizer, user_class
+from ..training.optimizer import set_nonfinite_guard, training_optimizer, user_class
 from .plan import InferencePlan, Plan, ReoptimizePlan, ShardedPlan, TrainingPlan
 
 _log = logging.getLogger("ipex_train")
@@ -139,7 +139,8 @@ _APPLY = {InferencePlan: _apply_inference, ReoptimizePlan: _apply_reoptimize, Tr
 
 
 def finish(plan: Plan, model: nn.Module, optimizer):
-    """The last step of every plan: the optimizer options that apply to any training optimizer, the dtype record,
+    """The last step of every plan: the optimizer options that apply to any training optimizer (state format,
+    step_in_backward, the non-finite-gradient guard), the dtype record,
     and the INFO lines (summary; memory in training). Returns what optimize() returns."""
     config = plan.config
     if optimizer is not None:
@@ -149,6 +150,7 @@ def finish(plan: Plan, model: nn.Module, optimizer):
             optimizer.defaults.setdefault(state_formats.GROUP_KEY, config.optimizer_state_dtype)  # add_param_group
         if config.step_in_backward is not None:
             optimizer.set_step_in_backward(config.step_in_backward)
+        set_nonfinite_guard(optimizer, config.nonfinite_grads, model)
     record.set_dtype(model, plan.low_dtype)
     if _log.isEnabledFor(logging.INFO):
         _log.info("%s", summary(model, optimizer))

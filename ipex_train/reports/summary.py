@@ -17,7 +17,7 @@ from ..base.dtensor import is_dtensor, local
 from ..base.options import check_model_and_optimizer
 from ..precision import record as _record
 from ..precision.selection import LOW_PRECISION, matmul_units, owners
-from ..training.optimizer import TrainingOptimizer, fused_entry, sycl_backend, user_class
+from ..training.optimizer import TrainingOptimizer, fused_entry, nonfinite_guard, sycl_backend, user_class
 
 _log = logging.getLogger("ipex_train")
 
@@ -56,7 +56,9 @@ class OptimizeSummary:
     (:func:`ipex_train.compute_policy.slow_bf16_depthwise`). frozen_tensors / frozen_elements: parameters with
     requires_grad=False (a LoRA base model); frozen_without_truth_elements: those held in low precision without an
     fp32 truth (already bf16/fp16, or rounded with frozen_weights="low_precision"); frozen_weights: training, the
-    optimize() option ("lossless" or "low_precision").
+    optimize() option ("lossless" or "low_precision"). nonfinite_grads: training, the non-finite-gradient guard
+    ("skip", "raise", or None when off); nonfinite_skipped_steps / nonfinite_skipped_parameters: the steps it
+    skipped (and, with step_in_backward, the parameter steps).
     """
 
     mode: str
@@ -75,6 +77,9 @@ class OptimizeSummary:
     frozen_elements: int = 0
     frozen_without_truth_elements: int = 0
     frozen_weights: str | None = None
+    nonfinite_grads: str | None = None
+    nonfinite_skipped_steps: int = 0
+    nonfinite_skipped_parameters: int = 0
 
     @property
     def kept_tensors(self) -> int:
@@ -108,6 +113,9 @@ class OptimizeSummary:
             step = f"fused {self.fused_step} step" if self.fused_step else "own (unfused) step"
             parts.append(f"{self.optimizer}: {step}{' on SYCL' if self.sycl else ''}"
                          f"{' inside backward' if self.step_in_backward else ''}")
+            if self.nonfinite_skipped_steps or self.nonfinite_skipped_parameters:
+                parts.append(f"non-finite gradients: {self.nonfinite_skipped_steps} steps and "
+                             f"{self.nonfinite_skipped_parameters} parameter steps skipped")
             if self.frozen_tensors:
                 parts.append(f"frozen_weights={self.frozen_weights}: {self.frozen_tensors} frozen params "
                              f"({_count(self.frozen_elements)} elements), "
@@ -199,4 +207,13 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
         frozen_without_truth_elements=sum(local(p).numel() for p in frozen
                                           if p.dtype in LOW_PRECISION and p not in aux),
         frozen_weights=(("low_precision" if masters.frozen_low_precision else "lossless")
-                        if masters is not None else None))
+                        if masters is not None else None),
+        **_guard_fields(optimizer))
+
+
+def _guard_fields(optimizer) -> dict:
+    guard = nonfinite_guard(optimizer) if optimizer is not None else None
+    if guard is None:
+        return {}
+    return dict(nonfinite_grads=guard.mode, nonfinite_skipped_steps=guard.skipped_steps,
+                nonfinite_skipped_parameters=guard.skipped_parameters)

@@ -39,6 +39,7 @@ from ..optim import fused, loaded_state, registry, state_formats
 from ..optim.registry import unhooked
 from ..precision.master_weights import MasterWeights
 from . import step_in_backward as _step_in_backward
+from .guard import guard_for
 
 
 def has_fused_step(optimizer_class: type) -> bool:
@@ -75,7 +76,8 @@ class TrainingOptimizer(torch.optim.Optimizer):
     Instance attributes beyond torch's: ``_ipex_masters`` (the model's :class:`MasterWeights`), ``_ipex_fuse``
     (use the fused kernels), ``_ipex_source`` (weak reference to the user's optimizer when it shares this one's
     groups and state), ``_ipex_sycl`` (the step backend with optimize(sycl=True), else None: the CPU step),
-    ``_ipex_in_backward`` (the hooks of step_in_backward, else None).
+    ``_ipex_in_backward`` (the hooks of step_in_backward, else None), ``_ipex_guard`` (the non-finite-gradient
+    guard, :mod:`.guard`, else None).
     """
 
     _user_class: type = torch.optim.Optimizer
@@ -94,17 +96,24 @@ class TrainingOptimizer(torch.optim.Optimizer):
             self._ipex_in_backward.close_step()
         else:
             with torch.no_grad():
-                self._ensure_truth([p for g in self.param_groups for p in g["params"] if p.grad is not None])
-                unfused = []
-                for group in self.param_groups:
-                    unfused += self._fused_part(group, [p for p in group["params"] if p.grad is not None])
-                if unfused:
-                    self._unfused_step(unfused)
+                stepping = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+                if self._ipex_guard is None or self._ipex_guard.allows(stepping, "optimizer.step()"):
+                    self._step_params(stepping)
         source = self._ipex_source() if self._ipex_source is not None else None
         if source is not None:
             # LR schedulers created on the user's optimizer check that it was stepped.
             source._opt_called = True
         return loss
+
+    def _step_params(self, stepping: list[Tensor]) -> None:
+        """Step every parameter in ``stepping`` (those with grads): one fused call per group, then the rest."""
+        self._ensure_truth(stepping)
+        chosen = {id(p) for p in stepping}
+        unfused = []
+        for group in self.param_groups:
+            unfused += self._fused_part(group, [p for p in group["params"] if id(p) in chosen])
+        if unfused:
+            self._unfused_step(unfused)
 
     def _fused_part(self, group: dict[str, Any], params: list[Tensor]) -> list[Tensor]:
         """One fused call for the dense ``params`` of ``group`` (all with grads); returns those it did not step
@@ -118,7 +127,10 @@ class TrainingOptimizer(torch.optim.Optimizer):
         return [p for p in params if entry is None or p.grad.is_sparse]
 
     def _ipex_step_params(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        """Step ``params`` of ``group`` alone (the step-in-backward hook); under no_grad."""
+        """Step ``params`` of ``group`` alone (the step-in-backward hook); under no_grad. Nothing is stepped when the
+        guard finds a gradient that is not finite."""
+        if self._ipex_guard is not None and not self._ipex_guard.allows(params, "step_in_backward"):
+            return
         self._ensure_truth(params)
         rest = self._fused_part(group, params)
         if rest:
@@ -247,7 +259,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         # A SYCL queue does not pickle, and the copy's tensors are not USM: the copy steps on the CPU. Hooks live
         # on the original parameters: the copy steps in step() (set_step_in_backward(True) hooks its own).
         state.update(_ipex_masters=self._ipex_masters, _ipex_fuse=self._ipex_fuse, _ipex_source=None,
-                     _ipex_sycl=None, _ipex_in_backward=None)
+                     _ipex_sycl=None, _ipex_in_backward=None, _ipex_guard=self._ipex_guard)
         return state
 
     def __reduce__(self):
@@ -287,6 +299,21 @@ def sycl_backend(optimizer: torch.optim.Optimizer):
     return optimizer._ipex_sycl if isinstance(optimizer, TrainingOptimizer) else None
 
 
+def nonfinite_guard(optimizer: torch.optim.Optimizer):
+    """The non-finite-gradient guard of an optimizer optimize() returned (:class:`.guard.NonFiniteGuard`), else
+    None (off, or not an optimizer optimize() returned)."""
+    return getattr(optimizer, "_ipex_guard", None) if isinstance(optimizer, TrainingOptimizer) else None
+
+
+def set_nonfinite_guard(optimizer: TrainingOptimizer, mode: str | None, model) -> None:
+    """Set the guard of ``optimize(nonfinite_grads=mode)``; an optimizer passed again with the same mode keeps its
+    guard and counts."""
+    current = optimizer._ipex_guard
+    if current is not None and current.mode == (mode or "skip"):
+        return
+    optimizer._ipex_guard = guard_for(mode, model)
+
+
 def user_class(optimizer: torch.optim.Optimizer) -> type:
     """The user's optimizer class behind ``optimizer`` (its own class unless optimize() returned it)."""
     return optimizer._user_class if isinstance(optimizer, TrainingOptimizer) else type(optimizer)
@@ -324,6 +351,7 @@ def training_optimizer(optimizer: torch.optim.Optimizer, masters: MasterWeights,
     new._ipex_fuse = fuse
     new._ipex_sycl = sycl
     new._ipex_in_backward = None
+    new._ipex_guard = None
     for group in new.param_groups:
         for p in group["params"]:
             masters.adopt(p)
