@@ -3,6 +3,7 @@
 // One pass over the bits (a float is NaN or Inf exactly when its exponent bits are all ones), integer compares that
 // the compiler vectorises, parallel over chunks of each tensor. The answer is a per-tensor "any", so it does not
 // depend on the thread count or the chunking.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
