@@ -1,12 +1,14 @@
 """Builders of the inference variants shared by bench_inference, bench_int8 and the studies: ipex_train's
 TorchScript export, its AOTInductor packages (fp32, bf16, int8 through ipex_train.quantization), the stock torchao
-pt2e int8 flow and torch.compile with freezing; and :func:`time_on`, their timing on one input."""
+pt2e int8 flow and torch.compile with freezing; :func:`build_each`, which builds them reporting failures, and
+:func:`time_on`, their timing on one input."""
 import atexit
 import copy
 import functools
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 
@@ -24,6 +26,19 @@ def _package_dir() -> str:
         _DIR = tempfile.mkdtemp(prefix="ipex_bench_aoti_")
         atexit.register(shutil.rmtree, _DIR, ignore_errors=True)
     return _DIR
+
+
+def build_each(builders, built: dict, build_s: dict, skipped: dict) -> None:
+    """Call each zero-argument builder of ``builders`` in turn into ``built[name]``, adding its seconds to
+    ``build_s[name]``; one that raises is recorded in ``skipped[name]`` (its message) and the others still run."""
+    for name, build in builders.items():
+        start = time.perf_counter()
+        try:
+            built[name] = build()
+        except Exception as e:  # noqa: BLE001 -- a variant that fails here is reported, the others still run
+            skipped[name] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        build_s[name] = build_s.get(name, 0.0) + time.perf_counter() - start
 
 
 def time_on(fns, x, rounds, calls: int = 1, warmup: int = 1) -> Rounds:

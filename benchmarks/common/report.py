@@ -12,29 +12,18 @@ from pathlib import Path
 import torch
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine() -> dict:
-    """What a figure was measured on: CPU, cores, torch threads, torch and Python versions, and ipex_train's view
-    (ISA features, kernel variant, bf16 compute policy) where ipex_train imports."""
-    out = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "python": platform.python_version(), "load_average": os.getloadavg()}
+    """What a figure was measured on: CPU, cores, torch threads, torch and Python versions, the load, and
+    ipex_train's view (ISA features, kernel variant, bf16 compute policy) where ipex_train imports."""
+    out = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+           "load_average": os.getloadavg()}
     try:
         import ipex_train
 
         info = ipex_train.info()
-        out.update(isa=[k for k, v in info["isa"].items() if v], kernel_variant=info["kernel_variant"],
-                   bf16_compute_policy=info["bf16_compute_policy"])
+        out.update(cpu=info["cpu"], isa=[k for k, v in info["isa"].items() if v],
+                   kernel_variant=info["kernel_variant"], bf16_compute_policy=info["bf16_compute_policy"])
     except Exception as e:  # noqa: BLE001 - a report is still written where the extension is not built
         out["ipex_train"] = f"info() failed: {type(e).__name__}: {e}"
     return out

@@ -26,6 +26,7 @@ torch's global fusion switch off and on. Targets are printed as PASS/FAIL, never
 """
 import argparse
 import copy
+import functools
 import time
 import warnings
 
@@ -102,14 +103,8 @@ def _case(name, make, batch, args):
         builders = {v: b for v, b in builders.items() if v in args.variants.split(",")}
     fns = {"eager": model}
     build_s, skipped = {}, {}
-    for variant, build in builders.items():
-        start = time.perf_counter()
-        try:
-            fns[variant] = build(model, x)
-        except Exception as e:  # noqa: BLE001 -- a variant that fails here is reported, the others still run
-            skipped[variant] = f"{type(e).__name__}: {e}"[:200]
-            continue
-        build_s[variant] = time.perf_counter() - start
+    inference_variants.build_each({v: functools.partial(b, model, x) for v, b in builders.items()}, fns, build_s,
+                                  skipped)
     if args.quick and (not args.variants or "compile" in args.variants.split(",")):
         skipped["compile"] = "skipped with --quick (torch.compile takes minutes per model and batch here)"
     with torch.no_grad():

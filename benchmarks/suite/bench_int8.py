@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import inference_variants, report
 from benchmarks.common.inference_models import BertStyleEncoder, resnet50
-from benchmarks.common.inference_variants import ipex_train_export, time_on
+from benchmarks.common.inference_variants import build_each, ipex_train_export, time_on
 from benchmarks.common.targets import Target
 from ipex_train import quantization
 from ipex_train.quantization._kernels import (
@@ -133,17 +133,10 @@ def _build(make, shape):
     model = make()
     example, calib = torch.randn((1,) + shape), [torch.randn((4,) + shape) for _ in range(2)]
     built, build_s, skipped = {}, {}, {}
-    for variant, build in (("prepared", lambda: _calibrated(model, example, calib)),
-                           ("int8", lambda: quantization.convert(built["prepared"])),
-                           ("fx_x86", lambda: _fx(model, "x86", example, calib)),
-                           ("fx_onednn", lambda: _fx(model, "onednn", example, calib))):
-        start = time.perf_counter()
-        try:
-            built[variant] = build()
-        except Exception as e:  # noqa: BLE001 -- a variant that fails here is reported, the others still run
-            skipped[variant] = f"{type(e).__name__}: {e}"[:200]
-            continue
-        build_s[variant] = time.perf_counter() - start
+    build_each({"prepared": lambda: _calibrated(model, example, calib),
+                "int8": lambda: quantization.convert(built["prepared"]),
+                "fx_x86": lambda: _fx(model, "x86", example, calib),
+                "fx_onednn": lambda: _fx(model, "onednn", example, calib)}, built, build_s, skipped)
     return model, built, build_s, skipped, calib
 
 
@@ -168,16 +161,8 @@ def _case(name, model, built, build_s, skipped, calib, shape, batch, args):
     if args.variants:
         keep = set(args.variants.split(",")) | {"fp32_export"}  # the ratios are paired against fp32_export
         tracers = {v: t for v, t in tracers.items() if v in keep}
-    for variant, trace in tracers.items():
-        if variant.startswith("int8") and "int8" not in built:
-            continue
-        start = time.perf_counter()
-        try:
-            fns[variant] = trace()
-        except Exception as e:  # noqa: BLE001 -- a variant that fails here is reported, the others still run
-            skipped[variant] = f"{type(e).__name__}: {e}"[:200]
-            continue
-        build_s[variant] = build_s.get(variant, 0.0) + time.perf_counter() - start
+    build_each({v: t for v, t in tracers.items() if "int8" in built or not v.startswith("int8")}, fns, build_s,
+               skipped)
     with torch.no_grad():
         ref = model(x).flatten()
         cos = {v: F.cosine_similarity(fn(x.clone()).float().flatten(), ref, dim=0).item() for v, fn in fns.items()}
@@ -232,6 +217,24 @@ def _new_shape(int8_model, x):
             "steady_new_s": steady_new}
 
 
+def _targets(cases: list[dict]) -> list[dict]:
+    """Ours against the best stock int8 path of the same kind, and against ipex_train's fp32 export (ResNet-50 b16)."""
+    targets = []
+    for case in cases:
+        label = f"{case['model']} b{case['batch']}"
+        for ours, r in case["ratios"].items():
+            if "vs_best_stock" in r:
+                kind = {"int8_jit": "traced", "int8": "eager", "int8_aoti": "Inductor",
+                        "int8_aoti_dynamic": "Inductor", "int8_aoti_nopasses": "Inductor",
+                        "int8_aoti_fp32attn": "Inductor"}[ours]
+                targets.append(_target(f"{label}: {ours} >= best stock int8, {kind} "
+                                       f"({r['vs_best_stock']['stock']})", r["vs_best_stock"], 1.0))
+            if case["model"] == "resnet50" and case["batch"] == 16:
+                targets.append(_target(f"{label}: {ours} >= {EXPORT_TARGET}x ipex_train fp32 export",
+                                       r["vs_fp32_export"], EXPORT_TARGET))
+    return targets
+
+
 def run(args):
     """Run every case, print the table and targets; returns (and with args.json writes) the results."""
     layers = 2 if args.quick else 4
@@ -266,19 +269,7 @@ def run(args):
                       f"{d['steady_s'] * 1e3:.0f} ms, first call at the new shape {d['first_new_s'] * 1e3:.0f} ms, "
                       f"then {d['steady_new_s'] * 1e3:.0f} ms", flush=True)
     print("\ntargets (paired per-round ratios: median [interquartile band])")
-    targets = []
-    for case in results["cases"]:
-        label = f"{case['model']} b{case['batch']}"
-        for ours, r in case["ratios"].items():
-            if "vs_best_stock" in r:
-                kind = {"int8_jit": "traced", "int8": "eager", "int8_aoti": "Inductor",
-                        "int8_aoti_dynamic": "Inductor", "int8_aoti_nopasses": "Inductor",
-                        "int8_aoti_fp32attn": "Inductor"}[ours]
-                targets.append(_target(f"{label}: {ours} >= best stock int8, {kind} "
-                                       f"({r['vs_best_stock']['stock']})", r["vs_best_stock"], 1.0))
-            if case["model"] == "resnet50" and case["batch"] == 16:
-                targets.append(_target(f"{label}: {ours} >= {EXPORT_TARGET}x ipex_train fp32 export",
-                                       r["vs_fp32_export"], EXPORT_TARGET))
+    targets = _targets(results["cases"])
     for t in targets:
         noise = " (within noise)" if t["within_noise"] and not t["pass"] else ""
         print(f"  {t['verdict'] + noise:20s} {t['target']} ({t['value']:.2f}x [{t['band'][0]:.2f}, "
