@@ -43,3 +43,17 @@ def test_report_writes_the_payload_under_a_header(tmp_path, monkeypatch):
     assert head["torch"] == torch.__version__ and head["command"][1:] == ["bench.py", "--quick"]
     assert head["date"][:4].isdigit() and head["machine"]["cpu"] and head["machine"]["threads"] >= 1
     assert report.write(None, {"a": 1})["a"] == 1  # no path: nothing written, the payload still returned
+
+
+def test_plain_loop_agreement_compares_like_with_like():
+    from benchmarks.suite.bench_train_step import _agreement_targets, plain_loop_agreement
+
+    by_variant = {"fp32": {"min_step_s": 1.0, "median_step_s": 1.2, "ratio_vs_fp32": 1.0},
+                  "optimize_bf16": {"min_step_s": 0.7, "median_step_s": 0.9, "ratio_vs_fp32": 0.75}}
+    plain = {"fp32": {"best_s": 2.0, "median_s": 2.0}, "optimize_bf16": {"best_s": 1.4, "median_s": 1.6}}
+    [row] = plain_loop_agreement("m", by_variant, plain)
+    assert row["harness_ratio"] == {"best": 0.7, "median": 0.75}
+    assert row["plain_loop_ratio"] == {"best": 0.7, "median": 0.8}
+    assert row["agreement"]["best"] == pytest.approx(1.0) and row["agreement"]["median"] == pytest.approx(0.9375)
+    verdicts = {t["target"].split("(")[1].split(")")[0]: t["verdict"] for t in _agreement_targets([row])}
+    assert verdicts == {"best": "PASS", "median": "FAIL"}  # 6.25% apart: outside 5%

@@ -30,9 +30,10 @@ glibc's defaults is printed beside it ('RSS MB') for reference.
 Timing (``benchmarks.common.train_harness``): every worker warms up until two consecutive steps agree within
 ``--steady`` (5%; at least one step, two for torch.compile variants, at most ``--max-warmup``), then the timed
 steps run round-robin. Each variant reports its min, median and spread (interquartile range / median) of step
-times, and each ratio to fp32 both as median / median and paired (the median over rounds of the two steps' ratio
-in the same round). ``--check-plain-loop`` also times the same builders in one plain process (each variant in
-turn: 2 warm-up steps, then the steps, nothing in between) and reports how far the harness's ratios are from it.
+times, each ratio to fp32 as median / median, and its ratio to every other timed variant paired (the median over
+rounds of the two steps' ratio in the same round; a target's "within noise" uses that ratio's spread).
+``--check-plain-loop`` also times the same builders in one plain process (each variant in turn: 2 warm-up steps,
+then the steps, nothing in between) and reports how far the harness's ratios are from it.
 
 Models are in ``benchmarks/common/train_models.py``, variants (one decorated function each) in
 ``benchmarks/common/train_variants.py``.
@@ -74,10 +75,10 @@ def run_model(model_name: str, variants: list[str], quick: bool, threads: int | 
     results, rounds = run_workers(workers, {n: p[0] for n, p in plan.items()}, {n: p[1] for n, p in plan.items()},
                                   steady_within,
                                   {n: p[1] if VARIANTS[n].slow else max(p[1], most) for n, p in plan.items()})
-    for name, r in results.items():
-        if name != "fp32" and "fp32" in results and not VARIANTS[name].slow:
-            paired = rounds.paired(name, "fp32")
-            r["paired_ratio_vs_fp32"], r["paired_ratio_spread"] = paired.median, paired.spread
+    timed = [n for n in results if not VARIANTS[n].slow]
+    for name in timed:  # paired against every other timed variant: the median over rounds of the two steps' ratio
+        results[name]["paired"] = {ref: {"ratio": rounds.paired(name, ref).median,
+                                         "spread": rounds.paired(name, ref).spread} for ref in timed if ref != name}
     return list(results.values())
 
 
@@ -163,12 +164,13 @@ def _table(results: list[dict]) -> str:
 
 
 def _relative(results: list[dict], model: str, variant_name: str, reference: str) -> tuple[float, float] | None:
-    """(median / median step time, the larger of the two spreads) of two variants of ``model``."""
+    """(median / median step time, the spread of the paired per-round ratio) of two variants of ``model``."""
     by_name = {r["variant"]: r for r in results if r["model"] == model}
     if variant_name not in by_name or reference not in by_name or VARIANTS[reference].slow:
         return None
     a, b = by_name[variant_name], by_name[reference]
-    return a["median_step_s"] / b["median_step_s"], max(a["spread"], b["spread"])
+    spread = a.get("paired", {}).get(reference, {}).get("spread", max(a["spread"], b["spread"]))
+    return a["median_step_s"] / b["median_step_s"], spread
 
 
 # (variant, reference, bound, needs bf16 units): step-time ratio targets, measured within the run.
