@@ -22,12 +22,12 @@ import sys
 import time
 
 BENCHMARKS = {
-    "step": "benchmarks.bench_step",
-    "train": "benchmarks.bench_train_step",
-    "inference": "benchmarks.bench_inference",
-    "int8": "benchmarks.bench_int8",
-    "xpu": "benchmarks.bench_xpu",
-    "memory": "benchmarks.bench_memory",
+    "step": "benchmarks.suite.bench_step",
+    "train": "benchmarks.suite.bench_train_step",
+    "inference": "benchmarks.suite.bench_inference",
+    "int8": "benchmarks.suite.bench_int8",
+    "xpu": "benchmarks.suite.bench_xpu",
+    "memory": "benchmarks.suite.bench_memory",
 }
 
 

@@ -319,7 +319,7 @@ def test_new_shape_under_global_switch_is_correct():
     _assert_same(model, scripted, x)
 
 
-# Measured with benchmarks/onednn_pattern_survey.py (see the docstring of ipex_train/inference/jit.py): the FP32
+# Measured with benchmarks/studies/onednn_pattern_survey.py (see the docstring of ipex_train/inference/jit.py): the FP32
 # patterns of the IPEX list this torch's fuser puts into one group.
 FUSED_ELTWISE = ["abs", "clamp", "elu", "exp", "gelu", "hardtanh", "hardswish", "log", "sigmoid", "relu", "round",
                  "sqrt", "square", "tanh", "leaky_relu", "silu"]

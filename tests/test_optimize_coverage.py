@@ -243,7 +243,7 @@ def test_gpt2_trains_in_bf16_like_fp32():
     assert_tracks_fp32(losses, ref, model)
 
     # Conv1D's bf16 addmm, forward and backward, is computed in fp32 by the emulated policy: no bf16 matmul kernel.
-    from benchmarks.coverage import MatmulFlops
+    from benchmarks.standalone.coverage import MatmulFlops
 
     compute_policy.attach(model, "emulated")
     with MatmulFlops() as counted:
@@ -252,7 +252,7 @@ def test_gpt2_trains_in_bf16_like_fp32():
 
 
 def test_coverage_audit_counts_bf16_matmul_flops():
-    from benchmarks.coverage import audit
+    from benchmarks.standalone.coverage import audit
 
     encoder = audit("encoder", Encoder, lambda: (encoder_data()[0],), lambda out: out.flatten(0, 1))
     assert encoder["trains"] and encoder["matmul_flops_bf16_share"] == 1.0

@@ -12,7 +12,7 @@ from int8_helpers import Residual, cos, int8_layers, quantize, residual_data
 from torch import nn
 
 import ipex_train
-from benchmarks.bench_int8 import BertStyleEncoder, resnet50
+from benchmarks.common.inference_models import BertStyleEncoder, resnet50
 from ipex_train import quantization as q
 
 ROOT = Path(__file__).resolve().parents[1]

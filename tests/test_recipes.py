@@ -109,8 +109,8 @@ def test_benchmark_suite_smoke(tmp_path):
     lamb = [r for r in step["data"]["results"] if r["optimizer"] == "lamb"]
     assert lamb and all(r["traffic_floor_ratio"] > 0 for r in lamb)
     assert "Lamb's bytes alone" in report
-    # The reduced-byte state rows (benchmarks/bench_state.py) are in the same run: ours timed against torch's fused
-    # fp32 AdamW with their targets in the report, and each low-bit peer either timed or saying why it is not.
+    # The reduced-byte state rows (benchmarks/suite/bench_state.py) are in the same run: ours timed against torch's
+    # fused fp32 AdamW with their targets in the report, and each low-bit peer either timed or saying why it is not.
     state = {r["contestant"]: r for r in step["data"]["state_rows"]}
     assert all(state[c]["ratio_to_baseline"] > 0 and state[c]["pct_roof"] > 0 for c in ("bf16_state", "int8_state"))
     assert {"torchao AdamW8bit", "bitsandbytes AdamW8bit", "torch-optimi AdamW bf16+Kahan"} <= state.keys()
@@ -128,7 +128,7 @@ def test_lamb_traffic_kernel_moves_what_lamb_moves(layout):
     # here from the inputs (16-bit grads read as int16 * 1e-6; the split value as (top << 16) | residual).
     sys.path.insert(0, str(ROOT))
     try:
-        from benchmarks import bench_step
+        from benchmarks.suite import bench_step
     finally:
         sys.path.remove(str(ROOT))
     lib = bench_step.load_traffic_kernel()
@@ -194,11 +194,11 @@ def test_memory_benchmark_smoke(tmp_path):
     # Every variant of bench_memory runs (a 1-layer model: 4.2M parameters) and its bytes/param is what
     # memory_report accounts for, within the allocator's slack.
     path = tmp_path / "memory.json"
-    _run(["-m", "benchmarks.bench_memory", "--quick", "--layers", "1", "--threads", "1", "--json", str(path)],
+    _run(["-m", "benchmarks.suite.bench_memory", "--quick", "--layers", "1", "--threads", "1", "--json", str(path)],
          timeout=180)
     data = json.loads(path.read_text())
     rows = {r["variant"]: r for r in data["results"]}
-    from benchmarks.bench_memory import VARIANTS
+    from benchmarks.suite.bench_memory import VARIANTS
 
     assert rows.keys() == VARIANTS.keys()
     assert all(r["median_step_s"] > 0 and r["bytes_per_param"] > 0 for r in rows.values())
@@ -211,7 +211,7 @@ def test_train_step_benchmark_as_on_an_avx2_cpu(tmp_path):
     # --cpu-isa avx2 measures the targets for CPUs without bf16 units on any x86 CPU: every worker's kernels are
     # limited to AVX2 and optimize(bf16) takes the emulated policy there, as it would on such a CPU.
     path = tmp_path / "train.json"
-    _run(["-m", "benchmarks.bench_train_step", "--quick", "--cpu-isa", "avx2", "--models", "resnet_cnn",
+    _run(["-m", "benchmarks.suite.bench_train_step", "--quick", "--cpu-isa", "avx2", "--models", "resnet_cnn",
           "--variants", "fp32", "optimize_bf16", "--threads", "1", "--json", str(path)], timeout=300)
     data = json.loads(path.read_text())
     assert data["meta"]["cpu_isa_limit"] == "avx2" and data["meta"]["policy_here"]["bf16_compute"] == "emulated"

@@ -276,8 +276,8 @@ def test_llama_routed_under_native_and_detach_restores():
 
 
 def test_llama_fed_fp32_embeddings_routes_fp32_norms():
-    # As benchmarks/train_models.py's llama_s256: fp32 embeddings keep the residual stream fp32 and optimize keeps
-    # the norm weights fp32, so every norm sees fp32 input: the kernel runs on it, forward and backward.
+    # As benchmarks/common/train_models.py's llama_s256: fp32 embeddings keep the residual stream fp32 and optimize
+    # keeps the norm weights fp32, so every norm sees fp32 input: the kernel runs on it, forward and backward.
     model = _optimized(_llama(), "native")
     norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
     assert all(m.weight.dtype == torch.float32 for m in norms)

@@ -20,7 +20,7 @@ Policies
     in fp32 as under "emulated" (bf16 in, bf16 out): for them oneDNN's bf16 backward runs general
     grouped-conv kernels instead of its depthwise ones. Forward + backward in bf16 took 2.4-5.4x
     the fp32 path's time at stride 2 and 1.1-1.7x at 5x5/7x7 stride 1 (median over shapes;
-    ``python -m benchmarks.depthwise_bf16``, Zen 4 with avx512_bf16, 2 threads), which made
+    ``python -m benchmarks.studies.depthwise_bf16``, Zen 4 with avx512_bf16, 2 threads), which made
     optimize(bf16) slower than fp32 on EfficientNet/MobileNetV3. 3x3 stride-1 ones stay bf16
     (0.56-0.64x the fp32 path's time). Not measured on AMX CPUs. Only while grad is enabled: the
     bf16 forward of these convs is the faster one, so no_grad/inference_mode forwards keep it.

@@ -26,7 +26,7 @@ switch at the time of the call (checked with ONEDNN_VERBOSE):
 * on (enable_onednn_fusion(True), or after optimize() of an inference model): the fallback re-specialises: it is
   profiled on the first call at the new shape; on the second its oneDNN partitions are compiled and run fused, and
   it stays fused afterwards.
-Measured by ``python -m benchmarks.bench_inference --quick``, two runs (2026-11-22, torch 2.14.1, 2 AVX2 cores
+Measured by ``python -m benchmarks.suite.bench_inference --quick``, two runs (2026-11-22, torch 2.14.1, 2 AVX2 cores
 shared with other jobs, so +-50%): ResNet-50 exported at batch 1 (steady 0.7-1.2 s/call), then called at batch 2
 (eager 3.0-4.3 s): switch off: first four calls 1.0-2.9 s each, steady 1.8-1.9 s; switch on: first call 1.5-3.7 s,
 second (partition compile) 3.3-12 s, then 0.8-1.6 s, steady 1.0 s. So re-specialisation costs about two slow calls

@@ -2,7 +2,7 @@
 torch build and CPU actually fuse (what it fuses depends on both, BF16 in particular on native bf16 support).
 
 Each pattern is exported with ipex_train.inference.export and counted as fused when one fusion group holds all
-of its expected ops. ``python -m benchmarks.onednn_pattern_survey`` prints the survey as JSON.
+of its expected ops. ``python -m benchmarks.studies.onednn_pattern_survey`` prints the survey as JSON.
 """
 from dataclasses import dataclass
 

@@ -39,7 +39,7 @@ Inductor: convert(prepared, backend="pt2e", example_inputs=x) lowers the same su
 quantize/dequantize graph (pt2e.py) for torch.compile or ipex_train.inference.export(backend="aoti").
 
 Dynamic shapes: the eager int8 model takes any batch size or sequence length; nothing is specialised to a shape
-(benchmarks/bench_int8.py times the first call at a new shape: within noise of the steady time here). A traced
+(benchmarks/suite/bench_int8.py times the first call at a new shape: within noise of the steady time here). A traced
 model keeps the shapes its Python code computed from sizes (a reshape to (batch, seq, heads, dim)), as any trace
 does.
 """

@@ -3,7 +3,7 @@ fully_shard model against torch's own recipe (FSDP2 + bf16 MixedPrecisionPolicy 
 
 Run from the repository root::
 
-    python -m benchmarks.bench_fsdp [--quick] [--json out.json] [--threads N] [--steps N]
+    python -m benchmarks.standalone.bench_fsdp [--quick] [--json out.json] [--threads N] [--steps N]
 
 The model is a Llama-style decoder built from a transformers config (hidden 512, 10 layers, vocabulary 8192:
 ~50M parameters), every decoder layer and the root sharded with
@@ -29,10 +29,7 @@ steps nothing).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
-import platform
 import statistics
 import time
 from datetime import timedelta
@@ -43,6 +40,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from benchmarks.common import report
+from benchmarks.common.memory import pin_mmap_threshold, reset_peak, status_kb
+
 VARIANTS = {
     "torch": None,
     "ipex_bf16": {},
@@ -51,30 +51,6 @@ VARIANTS = {
     "ipex_bf16_sib": {"step_in_backward": True},
 }
 SIZES = {"full": {"hidden": 512, "layers": 10, "vocab": 8192}, "quick": {"hidden": 64, "layers": 2, "vocab": 256}}
-
-
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM back to the current RSS
-        return True
-    except OSError:
-        return False
-
-
-def _pin_mmap_threshold() -> bool:
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
 
 
 def build(size: dict, variant: str):
@@ -124,19 +100,19 @@ def _tokens(args, vocab: int) -> torch.Tensor:
 def memory_rank(args, size: dict, variant: str) -> dict:
     import ipex_train
 
-    pinned = _pin_mmap_threshold()
+    pinned = pin_mmap_threshold()
     model, optimizer = build(size, variant)
     tokens = _tokens(args, size["vocab"])
     params = sum(p.numel() for p in model.parameters())
-    base_kb = _status_kb("VmRSS")
-    reset = _reset_peak()
+    base_kb = status_kb("VmRSS")
+    reset = reset_peak()
     for _ in range(3):  # the first step creates the optimizer state
         step(model, optimizer, tokens)
-    peak_kb = _status_kb("VmHWM")
-    report = ipex_train.memory_report(model, optimizer)
+    peak_kb = status_kb("VmHWM")
+    accounted = ipex_train.memory_report(model, optimizer)
     return {"variant": variant, "rank": dist.get_rank(), "params": params, "base_rss_mb": base_kb / 1024,
             "peak_rss_mb": peak_kb / 1024, "bytes_per_param_rank": (peak_kb - base_kb) * 1024 / params,
-            "accounted_bytes_per_param_rank": report.per_parameter(), "mmap_threshold_pinned": pinned,
+            "accounted_bytes_per_param_rank": accounted.per_parameter(), "mmap_threshold_pinned": pinned,
             "peak_reset": reset}
 
 
@@ -191,7 +167,6 @@ def main(argv: list[str] | None = None) -> None:
     """Run the benchmark; print the table, write the JSON."""
     import tempfile
 
-    import ipex_train
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model and 3 steps (smoke run)")
@@ -227,13 +202,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{v:<22}{worst:>13.2f}{r['memory_vs_torch']:>8.2f}x{accounted:>10.2f}{r['step_ms']:>9.0f}"
               f"{r['time_vs_torch']:>8.2f}x{r['forward_ms']:>8.0f}{r['backward_ms']:>8.0f}{r['optimizer_step_ms']:>12.1f}")
     if args.json:
-        meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-                "cpu": ipex_train.info()["cpu"], "torch": torch.__version__, "args": vars(args) | {"json": None},
-                "cpu_count": os.cpu_count()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "summary": rows, "memory": memory, "time": timing},
-                                        indent=2))
-        print(f"wrote {args.json}")
+    report.write(args.json, {"meta": {"args": vars(args) | {"json": None}}, "summary": rows, "memory": memory,
+                             "time": timing})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Inference throughput: eager fp32 vs stock TorchScript + oneDNN Graph fusion vs ipex_train export vs torch.compile.
 
-    python -m benchmarks.bench_inference [--quick] [--json PATH]
+    python -m benchmarks.suite.bench_inference [--quick] [--json PATH]
 
 Models: ResNet-50 (torchvision, weights=None, 224x224), a BERT-style encoder (nn.TransformerEncoder, d_model
-768, 12 heads, seq 128) and ``bert_style`` (benchmarks.inference_models.BertStyleEncoder: the same layer written
+768, 12 heads, seq 128) and ``bert_style`` (benchmarks.common.inference_models.BertStyleEncoder: the same layer written
 out with Q/K/V projections and softmax attention, as HuggingFace BERT computes it, which PyTorch's fused encoder
 fast path does not take), batch 1 and 16. Variants, all measured in the same run on the same inputs:
 
@@ -26,8 +26,7 @@ torch's global fusion switch off and on. Targets are printed as PASS/FAIL, never
 """
 import argparse
 import copy
-import json
-import statistics
+import functools
 import time
 import warnings
 
@@ -35,9 +34,9 @@ import torch
 import torchvision
 from torch import nn
 
-from benchmarks import aoti_variants
-from benchmarks.inference_models import BertStyleEncoder
-from ipex_train import inference
+from benchmarks.common import inference_variants, report
+from benchmarks.common.inference_models import BertStyleEncoder
+from benchmarks.common.targets import Target, print_targets
 
 RESNET_TARGET = 1.7  # ipex_train export vs eager, ResNet-50 batch 16
 
@@ -73,23 +72,6 @@ def _stock_jit(model, x):
     return scripted
 
 
-def _channels_last(x):
-    return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
-
-
-def _ipex_train(model, x, dtype=torch.float32):
-    model = copy.deepcopy(model)
-    sample = x[:1]  # the data-flow check needs one forward pass, not a full batch
-    inference.fold_conv_bn(model, sample_input=sample)
-    inference.fold_linear_bn(model, sample_input=sample)
-    inference.replace_dropout(model)
-    if x.dim() == 4:
-        model = model.to(memory_format=torch.channels_last)
-    model = model.to(dtype)
-    scripted = inference.export(model, _channels_last(x).to(dtype), check_trace=False)
-    return lambda inp: scripted(_channels_last(inp).to(dtype))
-
-
 def _compiled(model, x):
     compiled = torch.compile(copy.deepcopy(model))
     with torch.no_grad():
@@ -97,59 +79,39 @@ def _compiled(model, x):
     return compiled
 
 
-def _time_interleaved(fns, x, repeats, warmup):
-    """Median seconds per call for each fn, timing one call of each in turn per repeat (so that drifting load on
-    the shared CPU hits all variants alike), and the relative spread (IQR / median)."""
-    times = {name: [] for name in fns}
-    with torch.no_grad():
-        for fn in fns.values():
-            for _ in range(warmup):
-                fn(x)
-        for _ in range(repeats):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                fn(x)
-                times[name].append(time.perf_counter() - start)
-    out = {}
-    for name, ts in times.items():
-        q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-        out[name] = {"median_s": statistics.median(ts), "spread": (q[2] - q[0]) / statistics.median(ts)}
-    return out
+def _time(fns, x, repeats, warmup):
+    """Median seconds per call and relative spread (IQR / median) of each fn, one call of each in turn a round."""
+    timed = inference_variants.time_on(fns, x, repeats, warmup=warmup)
+    return {name: {"median_s": timed.summary(name).median, "spread": timed.summary(name).spread} for name in fns}
 
 
 def _case(name, make, batch, args):
     torch.manual_seed(0)
     model, shape = make()
     x = torch.randn((batch,) + shape)
-    builders = {"stock_jit": _stock_jit, "ipex_train": _ipex_train,
-                "ipex_train_bf16": lambda m, x: _ipex_train(m, x, torch.bfloat16),
-                "aoti_fp32": lambda m, x: aoti_variants.aoti(m, x, torch.float32),
-                "aoti_bf16": lambda m, x: aoti_variants.aoti(m, x, torch.bfloat16),
-                "aoti_bf16_nopasses": lambda m, x: aoti_variants.aoti(m, x, torch.bfloat16, passes=False)}
+    builders = {"stock_jit": _stock_jit, "ipex_train": inference_variants.ipex_train_export,
+                "ipex_train_bf16": lambda m, x: inference_variants.ipex_train_export(m, x, torch.bfloat16),
+                "aoti_fp32": lambda m, x: inference_variants.aoti(m, x, torch.float32),
+                "aoti_bf16": lambda m, x: inference_variants.aoti(m, x, torch.bfloat16),
+                "aoti_bf16_nopasses": lambda m, x: inference_variants.aoti(m, x, torch.bfloat16, passes=False)}
     if not args.quick:
         builders["compile"] = _compiled
     if args.compile:
-        builders["compile_fp32"] = lambda m, x: aoti_variants.compile_freezing(m, x, torch.float32)
-        builders["compile_bf16"] = lambda m, x: aoti_variants.compile_freezing(m, x, torch.bfloat16)
+        builders["compile_fp32"] = lambda m, x: inference_variants.compile_freezing(m, x, torch.float32)
+        builders["compile_bf16"] = lambda m, x: inference_variants.compile_freezing(m, x, torch.bfloat16)
     if args.variants:
         builders = {v: b for v, b in builders.items() if v in args.variants.split(",")}
     fns = {"eager": model}
     build_s, skipped = {}, {}
-    for variant, build in builders.items():
-        start = time.perf_counter()
-        try:
-            fns[variant] = build(model, x)
-        except Exception as e:  # noqa: BLE001 -- a variant that fails here is reported, the others still run
-            skipped[variant] = f"{type(e).__name__}: {e}"[:200]
-            continue
-        build_s[variant] = time.perf_counter() - start
+    inference_variants.build_each({v: functools.partial(b, model, x) for v, b in builders.items()}, fns, build_s,
+                                  skipped)
     if args.quick and (not args.variants or "compile" in args.variants.split(",")):
         skipped["compile"] = "skipped with --quick (torch.compile takes minutes per model and batch here)"
     with torch.no_grad():
         ref = model(x)
         err = {v: (fn(x).float() - ref).abs().max().item() for v, fn in fns.items() if v != "eager"}
     repeats = (3 if args.quick else 7) if batch > 1 else (5 if args.quick else 15)
-    timing = _time_interleaved(fns, x, repeats, warmup=1)
+    timing = _time(fns, x, repeats, warmup=1)
     eager = timing["eager"]["median_s"]
     variants = {v: {**t, "throughput": batch / t["median_s"], "vs_eager": eager / t["median_s"],
                     "build_s": build_s.get(v), "max_abs_err": err.get(v)} for v, t in timing.items()}
@@ -163,19 +125,19 @@ def _dynamic_shapes():
     model, shape = _resnet()
     x1, x2 = torch.randn((1,) + shape), torch.randn((2,) + shape)
     before = torch.jit.onednn_fusion_enabled()
-    out = {"eager_b2_s": _time_interleaved({"eager": model}, x2, 5, 1)["eager"]["median_s"]}
+    out = {"eager_b2_s": _time({"eager": model}, x2, 5, 1)["eager"]["median_s"]}
     try:
         for switch in (False, True):
             torch.jit.enable_onednn_fusion(switch)
-            run = _ipex_train(model, x1)
-            steady_b1 = _time_interleaved({"b1": run}, x1, 5, 0)["b1"]["median_s"]
+            run = inference_variants.ipex_train_export(model, x1)
+            steady_b1 = _time({"b1": run}, x1, 5, 0)["b1"]["median_s"]
             first_calls = []
             with torch.no_grad():
                 for _ in range(4):
                     start = time.perf_counter()
                     run(x2)
                     first_calls.append(time.perf_counter() - start)
-            steady_b2 = _time_interleaved({"b2": run}, x2, 5, 0)["b2"]["median_s"]
+            steady_b2 = _time({"b2": run}, x2, 5, 0)["b2"]["median_s"]
             out[f"global_switch_{'on' if switch else 'off'}"] = {
                 "steady_b1_s": steady_b1, "first_calls_b2_s": first_calls, "steady_b2_s": steady_b2}
     finally:
@@ -183,11 +145,9 @@ def _dynamic_shapes():
     return out
 
 
-def _verdict(ratio, spread):
-    # A shortfall inside the run's spread is still a shortfall: say so, as bench_int8 does.
-    if ratio >= 1.0:
-        return "PASS"
-    return "FAIL (within noise)" if 1.0 - ratio <= spread else "FAIL"
+def _no_slower(text: str) -> Target:
+    # A shortfall inside the run's spread is still a shortfall (a FAIL marked "within noise"), as in bench_int8.
+    return Target(text, 1.0, ">=", noise="fail", text=text)
 
 
 def run(args):
@@ -222,7 +182,6 @@ def run(args):
                   f"{', '.join(f'{t * 1e3:.0f}' for t in d['first_calls_b2_s'])} ms; "
                   f"steady b2 {d['steady_b2_s'] * 1e3:.0f} ms")
 
-    print("\ntargets")
     verdicts = []
     for case in results["cases"]:
         v = case["variants"]
@@ -230,26 +189,18 @@ def run(args):
             continue
         label = f"{case['model']} b{case['batch']}"
         if case["model"] == "resnet50" and case["batch"] == 16:
-            ratio = v["ipex_train"]["vs_eager"]
-            verdicts.append((f"{label}: ipex_train >= {RESNET_TARGET}x eager", ratio,
-                             "PASS" if ratio >= RESNET_TARGET else "FAIL"))
-        if "stock_jit" in v:
-            ratio = v["stock_jit"]["median_s"] / v["ipex_train"]["median_s"]
-            spread = max(v["stock_jit"]["spread"], v["ipex_train"]["spread"])
-            verdicts.append((f"{label}: ipex_train no slower than stock_jit", ratio, _verdict(ratio, spread)))
-        for ours, other in (("aoti_fp32", "ipex_train"), ("aoti_fp32", "compile_fp32"),
-                            ("aoti_bf16", "ipex_train_bf16"), ("aoti_bf16", "compile_bf16")):
+            text = f"{label}: ipex_train >= {RESNET_TARGET}x eager"
+            verdicts.append(Target(text, RESNET_TARGET, ">=", text=text).judge(v["ipex_train"]["vs_eager"]))
+        pairs = (("ipex_train", "stock_jit"), ("aoti_fp32", "ipex_train"), ("aoti_fp32", "compile_fp32"),
+                 ("aoti_bf16", "ipex_train_bf16"), ("aoti_bf16", "compile_bf16"))
+        for ours, other in pairs:
             if ours in v and other in v:
                 ratio = v[other]["median_s"] / v[ours]["median_s"]
                 spread = max(v[other]["spread"], v[ours]["spread"])
-                verdicts.append((f"{label}: {ours} no slower than {other}", ratio, _verdict(ratio, spread)))
-    for text, ratio, verdict in verdicts:
-        print(f"  {verdict:20s} {text} ({ratio:.2f}x)")
-    results["targets"] = [{"target": t, "ratio": r, "verdict": v} for t, r, v in verdicts]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return results
+                verdicts.append(_no_slower(f"{label}: {ours} no slower than {other}").judge(ratio, spread))
+    print_targets(verdicts, digits=2)
+    results["targets"] = verdicts
+    return report.write(args.json, results, indent=1)
 
 
 def main(argv=None):

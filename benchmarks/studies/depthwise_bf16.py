@@ -1,25 +1,26 @@
 """Depthwise Conv2d forward + backward: bf16 on the CPU's bf16 kernels against the compute policy's fp32 path.
 
-``python -m benchmarks.depthwise_bf16 [--json PATH] [--threads N] [--batch B]``
+``python -m benchmarks.studies.depthwise_bf16 [--json PATH] [--threads N] [--batch B]``
 
 Why: under the native policy ipex_train computes some depthwise convs in fp32
 (:func:`ipex_train.compute_policy.slow_bf16_depthwise`). This measures the evidence for that rule on the machine at
 hand: per kernel size, stride, channels and spatial size, the median time of one forward + backward (grads of input
 and weight) of a channels-last bf16 conv, run natively and through the policy's fp32 Function (bf16 in, fp32 math,
 bf16 out), the two alternated call by call in one process. A ratio above 1 means bf16 is slower than the fp32 path.
-The JSON has one row per shape and, per (kernel, stride), the median ratio and whether the rule picks it.
+The JSON has one row per shape and, per (kernel, stride), the median ratio and whether the rule picks it. It backs
+docs/benchmarks.md, "Depthwise convolutions in bf16".
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import report
+from benchmarks.common.timing import interleaved
 from ipex_train.compute_policy import slow_bf16_depthwise
 from ipex_train.compute_policy._functions import _Conv
 
@@ -39,14 +40,9 @@ def _time_pair(k: int, s: int, c: int, h: int, batch: int, repeats: int) -> tupl
     def fp32_path():
         torch.autograd.grad(_Conv.apply(x, w, None, *args, torch.bfloat16), (x, w), grad)
 
-    times = ([], [])
-    for i in range(repeats + 2):
-        for fn, out in zip((native, fp32_path), times):
-            start = time.perf_counter()
-            fn()
-            if i >= 2:  # two warm-up rounds: oneDNN creates its primitives on the first calls
-                out.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+    # Two warm-up rounds: oneDNN creates its primitives on the first calls.
+    median = interleaved({"native": native, "fp32": fp32_path}, repeats, warmup=2).median()
+    return median["native"], median["fp32"]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -73,15 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         groups.append({"kernel": k, "stride": s, "median_ratio": statistics.median(ratios), "fp32_by_rule": picked})
         print(f"k{k} s{s}: bf16 / fp32 path median {statistics.median(ratios):.2f}; rule: "
               f"{'fp32' if picked else 'bf16'}")
-    from ipex_train.base import ops as _ops
-
-    result = {"meta": {"torch": torch.__version__, "threads": torch.get_num_threads(), "batch": args.batch,
-                       "cpu_features": _ops.cpu_features()},
-              "rows": rows, "groups": groups}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return report.write(args.json, {"meta": {"batch": args.batch}, "rows": rows, "groups": groups}, indent=1)
 
 
 if __name__ == "__main__":

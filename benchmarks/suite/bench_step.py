@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.bench_step [--sizes 10M,50M] [--quick | --smoke] [--json PATH]
+    python -m benchmarks.suite.bench_step [--sizes 10M,50M] [--quick | --smoke] [--json PATH]
 
 For each optimizer x storage layout at each size (parameters split over ``--tensors`` tensors) it reports the
 median ns/param over the timed steps after warm-up, the GB/s that implies given the minimum bytes the kernel must
@@ -22,46 +22,34 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import tempfile
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from ipex_train.base import ops as _ops
-from ipex_train.optim import _layouts, fused, registry
+from ipex_train.optim import _layouts
 
-# Rows: every registered optimizer, and AdamW (Adam's kernel with decoupled weight decay, its own torch baseline).
-OPTIMIZERS = registry.NAMES[:2] + ("adamw",) + registry.NAMES[2:]
-KIND = {o: "adam" if o == "adamw" else o for o in OPTIMIZERS}
-LAYOUTS = ("fp32", "split_bf16", "bf16_master", "fp16_master", "fp64")
-DEFAULT_LAYOUTS = LAYOUTS[:4]
-
-# Hyper-parameters of each row (torch.optim's classes get the same values in torch's fused baseline); the class is
-# the registry's, AdamW's for the AdamW row.
-HYPER = {"sgd": dict(lr=1e-2, momentum=0.9), "adam": dict(lr=1e-3), "adamw": dict(lr=1e-3, weight_decay=1e-2),
-         "adagrad": dict(lr=1e-2), "lamb": dict(lr=1e-3, weight_decay=1e-2), "lars": dict(lr=0.1, momentum=0.9)}
-# torch fused fp32 optimizer each of ours is compared with (torch has no Lamb or Lars)
-BASELINE = {o: {"lamb": "adam", "lars": "sgd"}.get(o, o) for o in OPTIMIZERS}
-
-
-def optimizer_class(opt: str) -> type:
-    """The optimizer class of row ``opt``."""
-    return torch.optim.AdamW if opt == "adamw" else registry.get(opt).optimizer_class
-
-
-def state_tensors(opt: str) -> int:
-    """How many state tensors per parameter row ``opt`` keeps with its hyper-parameters."""
-    group = optimizer_class(opt)([torch.zeros(1)], **HYPER[opt]).param_groups[0]
-    return sum(s.present(group) for s in registry.get(KIND[opt]).state)
-
+from ..common import report
+from ..common.optim_steps import (
+    BASELINE,
+    DEFAULT_LAYOUTS,
+    LAYOUTS,
+    OPTIMIZERS,
+    ROOF_BYTES_PER_ELEMENT,
+    TARGET_ROOF,
+    OurStep,
+    TorchStep,
+    fmt_size,
+    parse_size,
+    state_tensors,
+)
+from ..common.targets import Target, print_targets
+from ..common.timing import interleaved
+from . import bench_state
 
 # Bytes per element of each layout: reading the working value (fp32/fp64, whether plain, split or a master),
 # writing it back (plus the 16-bit copy for the master layouts, written but never read), the grad, and one element
@@ -72,8 +60,6 @@ WRITE = {n: READ[n] + (lay.param.itemsize if lay.aux == torch.float32 else 0) fo
 GRAD = {n: lay.grad.itemsize for n, lay in _LAY.items()}
 STATE = {n: lay.state.itemsize for n, lay in _LAY.items()}
 
-ROOF_BYTES_PER_ELEMENT = 12  # a.add_(b): read a, read b, write a
-TARGET_ROOF = 0.90
 TARGET_SPLIT_ADAMW = 0.95
 TARGET_LAMB = 1.5
 
@@ -93,89 +79,12 @@ def bytes_per_element(opt: str, layout: str) -> int:
     return r + w + g + 2 * s * state_tensors(opt)
 
 
-def parse_size(text: str) -> int:
-    """'10M' -> 10_000_000; also K and G suffixes, or a plain integer."""
-    text = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
-def machine() -> dict:
-    """What the numbers were measured on."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    return {"cpu": model, "isa": _ops.cpu_features(), "kernel_variant": _ops.kernel_variant(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}
-
-
-def _elapsed_ns(fn) -> int:
-    t0 = time.perf_counter_ns()
-    fn()
-    return time.perf_counter_ns() - t0
-
-
 def measure_roof(elems: int, warmup: int, repeats: int) -> dict:
     """In-place add of two ``elems``-element fp32 tensors, timed on its own (the reference roof)."""
     a = torch.ones(elems)
     b = torch.ones(elems)
-    for _ in range(warmup):
-        a.add_(b)
-    ns = statistics.median(_elapsed_ns(lambda: a.add_(b)) for _ in range(repeats))
+    ns = interleaved({"roof": lambda: a.add_(b)}, repeats, warmup=warmup).summary("roof").median * 1e9
     return {"elements": elems, "median_ns": ns, "gbps": ROOF_BYTES_PER_ELEMENT * elems / ns}
-
-
-def _sizes(n: int, tensors: int) -> list[int]:
-    base = n // tensors
-    return [base + (1 if i < n % tensors else 0) for i in range(tensors)]
-
-
-def _group(opt: str) -> dict:
-    group = dict(optimizer_class(opt)([torch.zeros(1)], **HYPER[opt]).param_groups[0])
-    del group["params"]
-    return group
-
-
-class OurStep:
-    """One fused step of ``opt`` over ``n`` parameters stored as ``layout`` (state created on the first call)."""
-
-    def __init__(self, opt: str, layout: str, n: int, tensors: int):
-        self.kind, self.group = KIND[opt], _group(opt)
-        grad_dtype = _layouts.BY_NAME[layout].grad
-        self.params, self.aux, self.grads = [], [], []
-        for k in _sizes(n, tensors):
-            w = torch.empty(k, dtype=torch.float64 if layout == "fp64" else torch.float32).normal_()
-            if layout in ("fp32", "fp64"):
-                p, a = w, None
-            elif layout == "split_bf16":
-                p, a = _ops.split_bf16(w)
-            else:
-                p, a = w.to(grad_dtype), w
-            self.params.append(p)
-            self.aux.append(a)
-            self.grads.append(torch.empty(k, dtype=grad_dtype).normal_(std=1e-2))
-        self.state = defaultdict(dict)
-
-    def __call__(self) -> None:
-        fused.fused_step(registry.get(self.kind), self.group, self.state, self.params, self.aux, self.grads)
-
-
-class TorchStep:
-    """One step of torch's ``fused=True`` fp32 optimizer over ``n`` parameters."""
-
-    def __init__(self, opt: str, n: int, tensors: int):
-        self.params = []
-        for k in _sizes(n, tensors):
-            p = torch.empty(k).normal_()
-            p.grad = torch.empty(k).normal_(std=1e-2)
-            self.params.append(p)
-        self.opt = optimizer_class(opt)(self.params, fused=True, **HYPER[opt])
-
-    def __call__(self) -> None:
-        self.opt.step()
 
 
 class _TrafficTensor(ctypes.Structure):
@@ -242,33 +151,23 @@ def bench_size(n: int, args) -> list[dict]:
                 ours = OurStep(opt, layout, n, args.tensors)
                 floor = LambTraffic(args.traffic_kernel, layout, n, args.tensors) \
                     if opt == "lamb" and args.traffic_kernel is not None else None
-                for _ in range(args.warmup):
-                    ours()
-                    theirs()
-                    roof()
-                    if floor:
-                        floor()
-                t_ours, t_theirs, t_roof, t_floor = [], [], [], []
-                for _ in range(args.repeats):
-                    t_ours.append(_elapsed_ns(ours))
-                    t_theirs.append(_elapsed_ns(theirs))
-                    t_roof.append(_elapsed_ns(roof))
-                    if floor:
-                        t_floor.append(_elapsed_ns(floor))
-                del ours, floor
+                variants = {"ours": ours, "torch": theirs, "roof": roof, **({"floor": floor} if floor else {})}
+                timed = interleaved(variants, args.repeats, warmup=args.warmup)
+                del ours, floor, variants
                 gc.collect()
-                ns, ns_torch = statistics.median(t_ours), statistics.median(t_theirs)
-                roof_gbps = ROOF_BYTES_PER_ELEMENT * n / statistics.median(t_roof)
+                med = timed.median()
+                ns, ns_torch = med["ours"] * 1e9, med["torch"] * 1e9
+                roof_gbps = ROOF_BYTES_PER_ELEMENT * n / (med["roof"] * 1e9)
                 nbytes = bytes_per_element(opt, layout)
                 gbps = nbytes * n / ns
                 rows.append({
                     "optimizer": opt, "layout": layout, "size": n, "bytes_per_element": nbytes,
                     "ns_per_param": ns / n, "gbps": gbps, "roof_gbps": roof_gbps, "pct_roof": 100 * gbps / roof_gbps,
                     "baseline": f"torch fused fp32 {base}", "baseline_ns_per_param": ns_torch / n,
-                    "ratio_to_baseline": ns / ns_torch,
+                    "ratio_to_baseline": ns / ns_torch, "ratio_spread": timed.paired("ours", "torch").spread,
                 })
-                if t_floor:
-                    rows[-1]["traffic_floor_ratio"] = statistics.median(t_floor) / ns_torch
+                if "floor" in med:
+                    rows[-1]["traffic_floor_ratio"] = med["floor"] / med["torch"]
                 print(_row_line(rows[-1]), flush=True)
         del theirs
         gc.collect()
@@ -276,24 +175,21 @@ def bench_size(n: int, args) -> list[dict]:
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """PASS/FAIL of each row against the issue's targets."""
+    """PASS/FAIL of each row: its share of the roof, and the ratios to torch's fused optimizer."""
     out = []
     for r in rows:
-        where = f"{r['optimizer']}/{r['layout']} @ {_fmt_size(r['size'])}"
-        out.append({"target": f"{where}: >= {TARGET_ROOF:.0%} of roof", "value": r["pct_roof"] / 100,
-                    "pass": r["pct_roof"] >= 100 * TARGET_ROOF})
+        where = f"{r['optimizer']}/{r['layout']} @ {fmt_size(r['size'])}"
+        out.append(Target(where, TARGET_ROOF, ">=", text=f"{where}: >= {TARGET_ROOF:.0%} of roof")
+                   .judge(r["pct_roof"] / 100))
         if r["optimizer"] == "adamw" and r["layout"] == "split_bf16":
-            out.append({"target": f"{where}: <= {TARGET_SPLIT_ADAMW}x torch fused fp32 AdamW",
-                        "value": r["ratio_to_baseline"], "pass": r["ratio_to_baseline"] <= TARGET_SPLIT_ADAMW})
+            out.append(Target(f"{where}: torch fused fp32 AdamW", TARGET_SPLIT_ADAMW,
+                              text=f"{where}: <= {TARGET_SPLIT_ADAMW}x torch fused fp32 AdamW")
+                       .judge(r["ratio_to_baseline"]))
         if r["optimizer"] == "lamb":
-            out.append({"target": f"{where}: <= {TARGET_LAMB}x torch fused fp32 Adam",
-                        "value": r["ratio_to_baseline"], "pass": r["ratio_to_baseline"] <= TARGET_LAMB,
-                        "floor": r.get("traffic_floor_ratio")})
+            out.append(Target(f"{where}: torch fused fp32 Adam", TARGET_LAMB,
+                              text=f"{where}: <= {TARGET_LAMB}x torch fused fp32 Adam")
+                       .judge(r["ratio_to_baseline"], floor=r.get("traffic_floor_ratio")))
     return out
-
-
-def _fmt_size(n: int) -> str:
-    return f"{n / 1e6:g}M" if n >= 10**6 else str(n)
 
 
 HEADER = (f"{'optimizer':<9} {'layout':<12} {'size':>5} {'B/elem':>6} {'ns/param':>9} {'GB/s':>6} {'roof':>6} "
@@ -301,7 +197,7 @@ HEADER = (f"{'optimizer':<9} {'layout':<12} {'size':>5} {'B/elem':>6} {'ns/param
 
 
 def _row_line(r: dict) -> str:
-    return (f"{r['optimizer']:<9} {r['layout']:<12} {_fmt_size(r['size']):>5} {r['bytes_per_element']:>6} "
+    return (f"{r['optimizer']:<9} {r['layout']:<12} {fmt_size(r['size']):>5} {r['bytes_per_element']:>6} "
             f"{r['ns_per_param']:>9.3f} {r['gbps']:>6.2f} {r['roof_gbps']:>6.2f} {r['pct_roof']:>5.1f}% "
             f"{r['baseline_ns_per_param']:>10.3f} {r['ratio_to_baseline']:>6.2f}  {r['baseline']}"
             + (f" (Lamb's bytes alone: {r['traffic_floor_ratio']:.2f})" if "traffic_floor_ratio" in r else ""))
@@ -323,7 +219,8 @@ def parser() -> argparse.ArgumentParser:
                    help="timed steps per row (default 15; 5 with --quick, 2 with --smoke)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per row before timing")
     p.add_argument("--state-rows", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time reduced-byte state (bf16, int8) and the low-bit peers (benchmarks/bench_state.py)")
+                   help="also time reduced-byte state (bf16, int8) and the low-bit peers (benchmarks/suite/"
+                   "bench_state.py)")
     p.add_argument("--roof-elements", type=parse_size, default=None,
                    help="elements in each tensor of the add_ roof (default 256Mi = 1 GiB each; 4Mi with --smoke)")
     return p
@@ -337,9 +234,9 @@ def run(args: argparse.Namespace) -> dict:
     args.repeats = args.repeats or (2 if args.smoke else 5 if args.quick else 15)
     args.roof_elements = args.roof_elements or (4 * 2**20 if args.smoke else 256 * 2**20)
     args.traffic_kernel = load_traffic_kernel() if "lamb" in args.optimizers else None
-    info = machine()
+    info = report.machine()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items() if k != "isa"))
-    print("isa: " + ", ".join(k for k, v in info["isa"].items() if v))
+    print("isa: " + ", ".join(info.get("isa", [])))
     print("bytes/element moved (minimum, from the kernels' passes):")
     for opt in args.optimizers:
         print(f"  {opt:<8} " + "  ".join(f"{lay}={bytes_per_element(opt, lay)}" for lay in args.layouts))
@@ -354,8 +251,6 @@ def run(args: argparse.Namespace) -> dict:
         rows += bench_size(n, args)
     state_rows = []
     if args.state_rows:
-        from . import bench_state
-
         print("\nreduced-byte optimizer state (split-bf16 AdamW) and low-bit peers, interleaved with torch's fused "
               "fp32 AdamW and the roof:")
         for n in sizes:
@@ -370,10 +265,7 @@ def run(args: argparse.Namespace) -> dict:
     for r in rows:
         print(_row_line(r))
     checks = targets(rows) + (bench_state.targets(state_rows) if args.state_rows else [])
-    print("\ntargets:")
-    for t in checks:
-        floor = f"; moving Lamb's bytes alone: {t['floor']:.2f}" if t.get("floor") else ""
-        print(f"  {'PASS' if t['pass'] else 'FAIL'}  {t['target']}  (measured {t['value']:.2f}{floor})")
+    print_targets(checks, digits=2)
     result = {"machine": info, "settings": {"sizes": sizes, "tensors": args.tensors, "repeats": args.repeats,
                                             "warmup": args.warmup, "quick": args.quick,
                                             "smoke": args.smoke},
@@ -381,10 +273,7 @@ def run(args: argparse.Namespace) -> dict:
                        "gbps": statistics.median(row_roofs), "row_min_gbps": min(row_roofs),
                        "row_max_gbps": max(row_roofs)},
               "results": rows, "state_rows": state_rows, "targets": checks}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
-    return result
+    return report.write(args.json, result)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -3,7 +3,7 @@ time of the step inside backward against the normal step.
 
 Run from the repository root::
 
-    python -m benchmarks.bench_memory [--quick] [--json out.json] [--layers N] [--threads N]
+    python -m benchmarks.suite.bench_memory [--quick] [--json out.json] [--layers N] [--threads N]
 
 The model is a stack of ``--layers`` Linear(2048, 2048) + ReLU blocks (24 layers: 100.7M parameters) fed a batch
 of 16 rows, so parameters, grads and optimizer state dominate and activations are small (~3 MB). Each variant of
@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -38,7 +36,12 @@ from torch import nn
 
 import ipex_train
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from ..common import report
+from ..common.memory import pin_mmap_threshold, reset_peak, status_kb
+from ..common.targets import Target, print_targets
+from ..common.timing import interleaved
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 WIDTH, BATCH, STEPS = 2048, 16, 3
 BASELINE = "torch_fp32"
 
@@ -97,62 +100,37 @@ def build(name: str, layers: int, width: int = WIDTH):
     return model, optimizer, step
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux 4.0+)
-        return True
-    except OSError:
-        return False
-
-
 def memory_worker(name: str, layers: int) -> dict:
     """One variant's memory in this (fresh) process; see the module docstring."""
-    from benchmarks.bench_train_step import _pin_mmap_threshold
-
-    pinned = _pin_mmap_threshold()
+    pinned = pin_mmap_threshold()
     # A tiny model of the same variant first: the code pages and thread pools a training step touches count in the
     # RSS once loaded, and belong to the baseline, not to the parameters.
     for _ in range(2):
         build(name, 1, 64)[2]()
-    base_kb = _status_kb("VmRSS")
+    base_kb = status_kb("VmRSS")
     model, optimizer, step = build(name, layers)
     params = sum(p.numel() for p in model.parameters())
-    reset = _reset_peak()
+    reset = reset_peak()
     for _ in range(STEPS):
         step()
-    peak_kb = _status_kb("VmHWM")
-    report = ipex_train.memory_report(model, optimizer)
+    peak_kb = status_kb("VmHWM")
+    accounted = ipex_train.memory_report(model, optimizer)
     return {"variant": name, "params": params, "base_rss_mb": base_kb / 1024, "peak_rss_mb": peak_kb / 1024,
             "bytes_per_param": (peak_kb - base_kb) * 1024 / params, "mmap_threshold_pinned": pinned,
-            "peak_reset_after_setup": reset, "accounted": report.to_dict()}
+            "peak_reset_after_setup": reset, "accounted": accounted.to_dict()}
 
 
 def time_worker(names: list[str], layers: int, steps: int) -> dict:
     """Median and fastest step time of each variant, their steps interleaved in this one process (on a shared
     machine the fastest is the least disturbed by other processes' load)."""
     built = {n: build(n, layers)[2] for n in names}
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for i in range(steps + 1):  # the first round is warm-up (state creation)
-        for n, step in built.items():
-            start = time.perf_counter()
-            step()
-            if i:
-                times[n].append(time.perf_counter() - start)
-    return {n: {"median_step_s": statistics.median(t), "min_step_s": min(t), "step_times_s": t}
-            for n, t in times.items()}
+    timed = interleaved(built, steps, warmup=1)  # the warm-up creates the optimizer state
+    return {n: {"median_step_s": timed.summary(n).median, "min_step_s": timed.summary(n).best,
+                "spread": timed.summary(n).spread, "step_times_s": list(timed.per_round[n])} for n in names}
 
 
 def _subprocess(args: list[str], threads: int | None) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.bench_memory", *args]
+    cmd = [sys.executable, "-m", "benchmarks.suite.bench_memory", *args]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
@@ -212,19 +190,15 @@ def main(argv: list[str] | None = None) -> None:
     targets = []
     if TARGET_VARIANT in by_name:
         value = by_name[TARGET_VARIANT]["ratio_vs_torch_fp32"]
-        targets.append({"target": f"{VARIANTS[TARGET_VARIANT].label} bytes/param <= {TARGET_RATIO}x torch fp32 "
-                                  "(peak RSS of a 100M-param AdamW step)", "value": value,
-                        "pass": value <= TARGET_RATIO})
-    for t in targets:
-        print(f"  {'PASS' if t['pass'] else 'FAIL'}  {t['target']}  (measured {t['value']:.3f})")
+        text = (f"{VARIANTS[TARGET_VARIANT].label} bytes/param <= {TARGET_RATIO}x torch fp32 (peak RSS of a "
+                "100M-param AdamW step)")
+        targets.append(Target(text, TARGET_RATIO, text=text).judge(value))
+    print_targets(targets)
     load = os.getloadavg()
     print(f"total {time.perf_counter() - started:.0f} s; load average at end {load[0]:.1f}")
-    if args.json:
-        meta = {"torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                "threads": torch.get_num_threads(), "layers": args.layers, "batch": BATCH, "steps": STEPS,
-                "quick": args.quick, "skipped": skipped, "load_average_at_end": load}
-        args.json.write_text(json.dumps({"meta": meta, "results": results, "targets": targets}, indent=2))
-        print(f"wrote {args.json}")
+    meta = {"layers": args.layers, "batch": BATCH, "steps": STEPS, "quick": args.quick, "skipped": skipped,
+            "load_average_at_end": load}
+    report.write(args.json, {"meta": meta, "results": results, "targets": targets})
 
 
 if __name__ == "__main__":

@@ -1,18 +1,16 @@
 """Which IPEX FP32/BF16 oneDNN Graph fusion patterns this torch build and CPU fuse, measured by exporting each one.
 
-    python -m benchmarks.onednn_pattern_survey [--json PATH] [--dtype float32|bfloat16 ...]
+    python -m benchmarks.studies.onednn_pattern_survey [--json PATH] [--dtype float32|bfloat16 ...]
 
 Prints one line per pattern and dtype (fused / partial / not fused, with the groups formed) and a summary; the
 JSON holds the full result with the torch version, date and CPU capability. The list in the docstring of
-ipex_train/inference/jit.py comes from this script.
+ipex_train/inference/jit.py comes from this script; it backs docs/benchmarks.md, "Studies" (the survey's row).
 """
 import argparse
-import datetime
-import json
-import platform
 
 import torch
 
+from benchmarks.common import report
 from ipex_train.inference import patterns
 
 
@@ -30,19 +28,12 @@ def run(args):
         print(f"\n{dtype}: " + ", ".join(f"{len(names)} {status}" for status, names in groups.items()))
         for status in ("partial", "not fused"):
             print(f"  {status}: {', '.join(groups[status]) or '-'}")
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "machine": platform.machine(),
+    return report.write(args.json, {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkldnn_bf16_supported": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
         "summary": summary,
         "results": results,
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    }, indent=1)
 
 
 def main(argv=None):

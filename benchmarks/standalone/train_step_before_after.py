@@ -1,6 +1,6 @@
 """One variant of bench_train_step from this checkout and from another (the code before a change), against fp32, in
-one run: ``python -m benchmarks.train_step_before_after --baseline PATH [--variant NAME] [--models ...] [--steps N]
-[--threads N] [--json out.json]``.
+one run: ``python -m benchmarks.standalone.train_step_before_after --baseline PATH [--variant NAME] [--models ...]
+[--steps N] [--threads N] [--json out.json]``.
 
 PATH is a checkout of the baseline (e.g. ``git worktree add /tmp/base main``, with its C++ extension built) holding
 this checkout's ``benchmarks/`` (copy it there, so that both sides train the same models the same way). Per model
@@ -11,25 +11,22 @@ step's own work rather than the time other processes held the core).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
-from .bench_train_step import REPO_ROOT, _Worker
-from .train_models import MODELS, QUICK_MODELS
+from ..common import report
+from ..common.train_harness import REPO_ROOT, Worker, run_workers
+from ..common.train_models import MODELS, QUICK_MODELS
 
 
 def compare(model: str, variant: str, baseline: Path, steps: int, threads: int | None) -> dict:
     """fp32, ``variant`` here and ``variant`` at ``baseline``, interleaved; ratios against fp32."""
-    workers = {label: _Worker(model, name, steps, 1, threads, root=root)
+    workers = {label: Worker(model, name, threads, root=root)
                for label, name, root in (("fp32", "fp32", REPO_ROOT), ("after", variant, REPO_ROOT),
                                          ("before", variant, baseline))}
-    while any(w.remaining for w in workers.values()):
-        for w in workers.values():
-            if w.remaining:
-                w.step()
-    res = {label: w.finish() for label, w in workers.items()}
+    res, _ = run_workers(workers, dict.fromkeys(workers, steps), dict.fromkeys(workers, 1), None,
+                         dict.fromkeys(workers, 1))
     fp32 = res["fp32"]
     row = {"model": model, "variant": variant, "steps": steps, "threads": threads,
            "fp32_step_s": fp32["median_step_s"], "fp32_cpu_s": fp32["median_cpu_s"]}
@@ -52,8 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, help="torch threads per worker (default: torch's default)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    if not (args.baseline / "benchmarks" / "bench_train_step.py").exists():
-        parser.error(f"--baseline {args.baseline} holds no benchmarks/bench_train_step.py")
+    if not (args.baseline / "benchmarks" / "suite" / "bench_train_step.py").exists():
+        parser.error(f"--baseline {args.baseline} holds no benchmarks/suite/bench_train_step.py (copy this checkout's "
+                     "benchmarks/ there)")
     started = time.perf_counter()
     rows = []
     for model in args.models:
@@ -66,10 +64,7 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
     load = os.getloadavg()
     print(f"total {time.perf_counter() - started:.0f} s; load average at end {load[0]:.1f}")
-    if args.json:
-        args.json.write_text(json.dumps({"baseline": str(args.baseline), "load_average_at_end": load,
-                                         "results": rows}, indent=2))
-        print(f"wrote {args.json}")
+    report.write(args.json, {"baseline": str(args.baseline), "load_average_at_end": load, "results": rows})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """INT8 inference: ipex_train.quantization against eager fp32, ipex_train's fp32 export and stock torch.ao FX int8.
 
-    python -m benchmarks.bench_int8 [--quick] [--json PATH]
+    python -m benchmarks.suite.bench_int8 [--quick] [--json PATH]
 
 Models: ResNet-50 (torchvision, weights=None, BatchNorm statistics set to non-trivial values, 224x224) and a
 BERT-style encoder (BertStyleEncoder below: d_model 768, 12 heads, FFN 3072, seq 128; 2 layers with --quick, else
@@ -50,17 +50,16 @@ does not), and >= 2.5x fp32_export on ResNet-50 batch 16. A FAIL whose band reac
 """
 import argparse
 import copy
-import json
-import statistics
 import time
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks import aoti_variants
-from benchmarks.bench_inference import _ipex_train, _time_interleaved
-from benchmarks.inference_models import BertStyleEncoder, resnet50
+from benchmarks.common import inference_variants, report
+from benchmarks.common.inference_models import BertStyleEncoder, resnet50
+from benchmarks.common.inference_variants import build_each, ipex_train_export, time_on
+from benchmarks.common.targets import Target
 from ipex_train import quantization
 from ipex_train.quantization._kernels import (
     ENGINE,  # the engine convert() packs weights for
@@ -104,27 +103,10 @@ def _engine_bound(module, engine):
     return call
 
 
-def _time_rounds(fns, x, rounds, calls):
-    """Per variant, the list of per-round mean seconds per call; each round calls every variant ``calls`` times
-    in turn, so a round's times of two variants share the machine's load of that moment."""
-    per_round = {name: [] for name in fns}
-    with torch.no_grad():
-        for fn in fns.values():
-            fn(x)  # warm-up: oneDNN primitive creation, first-call allocations
-        for _ in range(rounds):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn(x)
-                per_round[name].append((time.perf_counter() - start) / calls)
-    return per_round
-
-
-def _paired(per_round, slow, fast):
-    """Median and interquartile band over rounds of per_round[slow] / per_round[fast] (> 1: ``fast`` is faster)."""
-    ratios = [a / b for a, b in zip(per_round[slow], per_round[fast])]
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"ratio": statistics.median(ratios), "band": [q[0], q[2]]}
+def _paired(rounds, slow, fast):
+    """Median and interquartile band over rounds of slow / fast time (> 1: ``fast`` is faster)."""
+    ratio = rounds.paired(slow, fast)
+    return {"ratio": ratio.median, "band": list(ratio.band)}
 
 
 def _fx(model, engine, example, calib):
@@ -151,17 +133,10 @@ def _build(make, shape):
     model = make()
     example, calib = torch.randn((1,) + shape), [torch.randn((4,) + shape) for _ in range(2)]
     built, build_s, skipped = {}, {}, {}
-    for variant, build in (("prepared", lambda: _calibrated(model, example, calib)),
-                           ("int8", lambda: quantization.convert(built["prepared"])),
-                           ("fx_x86", lambda: _fx(model, "x86", example, calib)),
-                           ("fx_onednn", lambda: _fx(model, "onednn", example, calib))):
-        start = time.perf_counter()
-        try:
-            built[variant] = build()
-        except Exception as e:  # noqa: BLE001 -- a variant that fails here is reported, the others still run
-            skipped[variant] = f"{type(e).__name__}: {e}"[:200]
-            continue
-        build_s[variant] = time.perf_counter() - start
+    build_each({"prepared": lambda: _calibrated(model, example, calib),
+                "int8": lambda: quantization.convert(built["prepared"]),
+                "fx_x86": lambda: _fx(model, "x86", example, calib),
+                "fx_onednn": lambda: _fx(model, "onednn", example, calib)}, built, build_s, skipped)
     return model, built, build_s, skipped, calib
 
 
@@ -169,33 +144,25 @@ def _case(name, model, built, build_s, skipped, calib, shape, batch, args):
     torch.manual_seed(batch)
     x = torch.randn((batch,) + shape)
     fns, build_s, skipped = {"eager": model}, dict(build_s), dict(skipped)
-    tracers = {"fp32_export": lambda: _ipex_train(model, x), "int8": lambda: built["int8"],
+    tracers = {"fp32_export": lambda: ipex_train_export(model, x), "int8": lambda: built["int8"],
                "int8_jit": lambda: _traced(built["int8"], x, ENGINE)}
     tracers.update({v: (lambda v=v: _traced(built[v], x, v[3:])) for v in ("fx_x86", "fx_onednn") if v in built})
     if "fx_onednn" in built:
         tracers["fx_onednn_eager"] = lambda: _engine_bound(built["fx_onednn"], "onednn")
     if not args.no_inductor:
-        tracers["pt2e_compile"] = lambda: aoti_variants.pt2e_compile(model, x, calib)
+        tracers["pt2e_compile"] = lambda: inference_variants.pt2e_compile(model, x, calib)
         if "prepared" in built:
-            tracers["int8_aoti"] = lambda: aoti_variants.int8_aoti(built["prepared"], x)
-            tracers["int8_aoti_nopasses"] = lambda: aoti_variants.int8_aoti(built["prepared"], x, passes=False)
-            tracers["int8_aoti_fp32attn"] = lambda: aoti_variants.int8_aoti(built["prepared"], x,
+            tracers["int8_aoti"] = lambda: inference_variants.int8_aoti(built["prepared"], x)
+            tracers["int8_aoti_nopasses"] = lambda: inference_variants.int8_aoti(built["prepared"], x, passes=False)
+            tracers["int8_aoti_fp32attn"] = lambda: inference_variants.int8_aoti(built["prepared"], x,
                                                                              bf16_attention=False)
             if batch > 1:  # torch.export specialises a batch of 1
-                tracers["int8_aoti_dynamic"] = lambda: aoti_variants.int8_aoti(built["prepared"], x, dynamic=True)
+                tracers["int8_aoti_dynamic"] = lambda: inference_variants.int8_aoti(built["prepared"], x, dynamic=True)
     if args.variants:
         keep = set(args.variants.split(",")) | {"fp32_export"}  # the ratios are paired against fp32_export
         tracers = {v: t for v, t in tracers.items() if v in keep}
-    for variant, trace in tracers.items():
-        if variant.startswith("int8") and "int8" not in built:
-            continue
-        start = time.perf_counter()
-        try:
-            fns[variant] = trace()
-        except Exception as e:  # noqa: BLE001 -- a variant that fails here is reported, the others still run
-            skipped[variant] = f"{type(e).__name__}: {e}"[:200]
-            continue
-        build_s[variant] = build_s.get(variant, 0.0) + time.perf_counter() - start
+    build_each({v: t for v, t in tracers.items() if "int8" in built or not v.startswith("int8")}, fns, build_s,
+               skipped)
     with torch.no_grad():
         ref = model(x).flatten()
         cos = {v: F.cosine_similarity(fn(x.clone()).float().flatten(), ref, dim=0).item() for v, fn in fns.items()}
@@ -204,24 +171,24 @@ def _case(name, model, built, build_s, skipped, calib, shape, batch, args):
     rounds, calls = (5, 1) if batch > 1 else (9, 8)
     if not args.quick:
         rounds, calls = (9, 1) if batch > 1 else (15, 12)
-    per_round = _time_rounds(fns, x, rounds, calls)
-    times = {v: statistics.median(ts) for v, ts in per_round.items()}
+    # One warm-up call each: oneDNN primitive creation, first-call allocations.
+    per_round = time_on(fns, x, rounds, calls, warmup=1)
+    times = per_round.median()
     variants = {}
     for v, t in times.items():
-        q = statistics.quantiles(per_round[v], n=4)
-        variants[v] = {"median_s": t, "spread": (q[2] - q[0]) / t, "throughput": batch / t,
+        variants[v] = {"median_s": t, "spread": per_round.summary(v).spread, "throughput": batch / t,
                        "vs_eager": _paired(per_round, "eager", v)["ratio"], "build_s": build_s.get(v),
                        "cosine": cos[v]}
     ratios = {}
     for ours in ("int8", "int8_jit", "int8_aoti", "int8_aoti_dynamic", "int8_aoti_nopasses", "int8_aoti_fp32attn"):
-        if ours not in per_round:
+        if ours not in times:
             continue
         r = {"vs_fp32_export": _paired(per_round, "fp32_export", ours)}
         # Like with like: the traced model against the traced stock models, the eager one against stock eager.
         like = {"int8_jit": ("fx_x86", "fx_onednn"), "int8": ("fx_onednn_eager",), "int8_aoti": ("pt2e_compile",),
                 "int8_aoti_dynamic": ("pt2e_compile",), "int8_aoti_nopasses": ("pt2e_compile",),
                 "int8_aoti_fp32attn": ("pt2e_compile",)}
-        stock = [s for s in like[ours] if s in per_round]
+        stock = [s for s in like[ours] if s in times]
         if stock:
             best = min(stock, key=lambda s: times[s])
             r["vs_best_stock"] = {"stock": best, **_paired(per_round, best, ours)}
@@ -232,9 +199,8 @@ def _case(name, model, built, build_s, skipped, calib, shape, batch, args):
 
 
 def _target(text, r, goal):
-    verdict = "PASS" if r["ratio"] >= goal else ("FAIL (within noise)" if r["band"][1] >= goal else "FAIL")
-    return {"target": text, "ratio": r["ratio"], "band": r["band"], "goal": goal, "pass": r["ratio"] >= goal,
-            "verdict": verdict}
+    # A shortfall whose paired band reaches the goal is still a FAIL, marked "within noise".
+    return Target(text, goal, ">=", noise="fail", text=text).judge(r["ratio"], band=tuple(r["band"]))
 
 
 def _new_shape(int8_model, x):
@@ -242,13 +208,31 @@ def _new_shape(int8_model, x):
     batch 1) or half the sequence length (text)."""
     other = (torch.cat([x, x])[: max(2, x.shape[0] // 2)] if x.dim() == 4 else x[:, : x.shape[1] // 2])
     with torch.no_grad():
-        steady = _time_interleaved({"int8": int8_model}, x, 3, 0)["int8"]["median_s"]
+        steady = time_on({"int8": int8_model}, x, 3, warmup=0).summary("int8").median
         start = time.perf_counter()
         int8_model(other)
         first = time.perf_counter() - start
-        steady_new = _time_interleaved({"int8": int8_model}, other, 3, 0)["int8"]["median_s"]
+        steady_new = time_on({"int8": int8_model}, other, 3, warmup=0).summary("int8").median
     return {"shape": list(x.shape), "new_shape": list(other.shape), "steady_s": steady, "first_new_s": first,
             "steady_new_s": steady_new}
+
+
+def _targets(cases: list[dict]) -> list[dict]:
+    """Ours against the best stock int8 path of the same kind, and against ipex_train's fp32 export (ResNet-50 b16)."""
+    targets = []
+    for case in cases:
+        label = f"{case['model']} b{case['batch']}"
+        for ours, r in case["ratios"].items():
+            if "vs_best_stock" in r:
+                kind = {"int8_jit": "traced", "int8": "eager", "int8_aoti": "Inductor",
+                        "int8_aoti_dynamic": "Inductor", "int8_aoti_nopasses": "Inductor",
+                        "int8_aoti_fp32attn": "Inductor"}[ours]
+                targets.append(_target(f"{label}: {ours} >= best stock int8, {kind} "
+                                       f"({r['vs_best_stock']['stock']})", r["vs_best_stock"], 1.0))
+            if case["model"] == "resnet50" and case["batch"] == 16:
+                targets.append(_target(f"{label}: {ours} >= {EXPORT_TARGET}x ipex_train fp32 export",
+                                       r["vs_fp32_export"], EXPORT_TARGET))
+    return targets
 
 
 def run(args):
@@ -285,26 +269,13 @@ def run(args):
                       f"{d['steady_s'] * 1e3:.0f} ms, first call at the new shape {d['first_new_s'] * 1e3:.0f} ms, "
                       f"then {d['steady_new_s'] * 1e3:.0f} ms", flush=True)
     print("\ntargets (paired per-round ratios: median [interquartile band])")
-    targets = []
-    for case in results["cases"]:
-        label = f"{case['model']} b{case['batch']}"
-        for ours, r in case["ratios"].items():
-            if "vs_best_stock" in r:
-                kind = {"int8_jit": "traced", "int8": "eager", "int8_aoti": "Inductor",
-                        "int8_aoti_dynamic": "Inductor", "int8_aoti_nopasses": "Inductor",
-                        "int8_aoti_fp32attn": "Inductor"}[ours]
-                targets.append(_target(f"{label}: {ours} >= best stock int8, {kind} "
-                                       f"({r['vs_best_stock']['stock']})", r["vs_best_stock"], 1.0))
-            if case["model"] == "resnet50" and case["batch"] == 16:
-                targets.append(_target(f"{label}: {ours} >= {EXPORT_TARGET}x ipex_train fp32 export",
-                                       r["vs_fp32_export"], EXPORT_TARGET))
+    targets = _targets(results["cases"])
     for t in targets:
-        print(f"  {t['verdict']:20s} {t['target']} ({t['ratio']:.2f}x [{t['band'][0]:.2f}, {t['band'][1]:.2f}])")
+        noise = " (within noise)" if t["within_noise"] and not t["pass"] else ""
+        print(f"  {t['verdict'] + noise:20s} {t['target']} ({t['value']:.2f}x [{t['band'][0]:.2f}, "
+              f"{t['band'][1]:.2f}])")
     results["targets"] = targets
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-    return results
+    return report.write(args.json, results, indent=1)
 
 
 def main(argv=None):

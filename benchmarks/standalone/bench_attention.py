@@ -4,7 +4,7 @@ docs/attention.md comes from this table.
 
 Run from the repository root (on a quiet machine)::
 
-    python -m benchmarks.bench_attention [--threads 2] [--json out.json]
+    python -m benchmarks.standalone.bench_attention [--threads 2] [--json out.json]
 
 Inputs are in Hugging Face's layout ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)); each time is the
 best of 3 rounds of ``--repeats`` calls, the variants interleaved round by round.
@@ -12,8 +12,6 @@ best of 3 rounds of ``--repeats`` calls, the variants interleaved round by round
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 from pathlib import Path
 
 import torch
@@ -21,9 +19,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ipex_train import attention
-from ipex_train.base import ops as _ops
 
-from .timing import best_of_rounds
+from ..common import report
+from ..common.timing import best_of_rounds
 
 # (batch, heads, query/key length, head dim, dropout, causal)
 SHAPES = (
@@ -90,11 +88,7 @@ def main(argv=None) -> None:
         cells = "  ".join(f"{k} {v:7.2f}" for k, v in row["ms"].items())
         print(f"b{b} h{h} s{s} d{d} p{p} causal={causal}: {cells} ms; ipex_train {row['ipex_train_gflops']:.0f} "
               "GFLOP/s", flush=True)
-    if args.json:
-        meta = {"torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                "threads": torch.get_num_threads(), "kernel_variant": _ops.kernel_variant(),
-                "cpu_features": {k: v for k, v in _ops.cpu_features().items() if v}}
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    report.write(args.json, {"rows": rows})
 
 
 if __name__ == "__main__":

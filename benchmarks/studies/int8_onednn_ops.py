@@ -1,9 +1,10 @@
 """Would oneDNN's plain-tensor int8 ops (``onednn::qconv2d_pointwise`` and its ``.binary`` overload, which fuses a
 residual add + relu into the convolution) beat the quantized-tensor kernels ipex_train.quantization runs today?
 
-    python -m benchmarks.int8_onednn_ops [--quick] [--json PATH]
+    python -m benchmarks.studies.int8_onednn_ops [--quick] [--json PATH]
 
-A measurement, not part of ``python -m benchmarks`` (answered in docs/benchmarks.md, "oneDNN plain-tensor int8 ops").
+A study, not part of ``python -m benchmarks``; it backs docs/benchmarks.md, "oneDNN plain-tensor int8 ops and a fused
+residual add (measured, not adopted)".
 In one process, variants called in turn within each round; medians over rounds, and each speedup the median over
 rounds of the per-round ratio:
 
@@ -23,9 +24,7 @@ rounds of the per-round ratio:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import pathlib
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,10 @@ from typing import List, Optional  # noqa: F401, UP035  (named by _no_scalars' T
 import torch
 import torch.ao.nn.quantized as nnq
 
-from benchmarks.bench_int8 import _int8, resnet50
+from benchmarks.common import report
+from benchmarks.common.inference_models import resnet50
+from benchmarks.common.timing import interleaved
+from ipex_train import quantization
 
 ONEDNN = torch.ops.onednn
 # (input channels, output channels, kernel, stride, input size, relu) of single convolutions in ResNet-50
@@ -124,16 +126,8 @@ class Conv:
 
 def _time(fns: dict, rounds: int, calls: int) -> dict:
     """Per variant, the mean ms per call of each round; each round calls every variant in turn (A, B, A, B...)."""
-    per = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()  # warm-up: oneDNN primitive creation
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            per[k].append((time.perf_counter() - start) / calls * 1e3)
-    return per
+    per_round = interleaved(fns, rounds, calls, warmup=1).per_round  # the warm-up creates oneDNN's primitives
+    return {k: [s * 1e3 for s in seconds] for k, seconds in per_round.items()}
 
 
 def _paired(per: dict, slow: str, fast: str) -> float:
@@ -346,7 +340,10 @@ def run(quick: bool) -> dict:
           f"{result['prepack']['ms']:.1f} ms")
     model = resnet50()
     with torch.no_grad():
-        int8 = _int8(model, torch.randn(2, 3, 224, 224), [torch.randn(2, 3, 224, 224) for _ in range(2)])
+        prepared = quantization.prepare(model, example_inputs=torch.randn(2, 3, 224, 224))
+        for _ in range(2):
+            prepared(torch.randn(2, 3, 224, 224))
+        int8 = quantization.convert(prepared)
     for batch in (1, 16):
         with torch.no_grad():  # calls per round: 5-20 ms of single ops, one ResNet-50 pass at batch 16
             ops = single_ops(batch, rounds, 30 if batch == 1 else 5)
@@ -373,8 +370,7 @@ def main(argv=None):
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     result = run(args.quick)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    report.write(args.json, result, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Step time of the fused optimizers on the SYCL CPU device (kernels_xpu, SYCL-RTC kernels run by Intel's OpenCL
 CPU driver) against kernels_cpu and torch's fused Adam, in the same process on the same host CPU.
 
-    python -m benchmarks.bench_xpu [--quick] [--json PATH]
+    python -m benchmarks.suite.bench_xpu [--quick] [--json PATH]
 
 All three run on the same cores: the SYCL CPU device is a SYCL runtime on the host CPU, not an accelerator. Times
 are per optimizer step (median over timed steps, after warm-up steps that also compile the kernels). The split-bf16
@@ -12,38 +12,19 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import json
-import statistics
-import time
 
 import torch
 
 import ipex_train
 from ipex_train.optim import fused, registry
 
-
-def _time(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+from ..common import report
+from ..common.timing import interleaved
 
 
 def _time_interleaved(fns: dict, warmup: int, iters: int) -> dict[str, float]:
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(iters):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    """Median ms per call of each zero-argument callable, timed in interleaved rounds."""
+    return {k: v * 1e3 for k, v in interleaved(fns, iters, warmup=warmup).median().items()}
 
 
 def _adam_group(decoupled: bool) -> dict:
@@ -67,15 +48,15 @@ def run(args) -> dict:
     # fp32 Adam: kernels_xpu on the SYCL CPU device, kernels_cpu, torch fused.
     group = _adam_group(decoupled=False)
     p_dev, g_dev, st_dev = sx.to_usm(w, q), sx.to_usm(g, q), collections.defaultdict(dict)
-    results["adam_fp32_sycl_cpu_device_ms"] = _time(
-        lambda: sx.fused_step("adam", group, st_dev, [p_dev], [None], [g_dev], q), warmup, iters)
     p_cpu, st_cpu = w.clone(), collections.defaultdict(dict)
-    results["adam_fp32_kernels_cpu_ms"] = _time(
-        lambda: fused.fused_step(registry.get("adam"), group, st_cpu, [p_cpu], [None], [g]), warmup, iters)
     p_t = torch.nn.Parameter(w.clone())
     p_t.grad = g.clone()
     opt = torch.optim.Adam([p_t], lr=1e-3, weight_decay=0.01, fused=True)
-    results["adam_fp32_torch_fused_ms"] = _time(opt.step, warmup, iters)
+    results.update(_time_interleaved({
+        "adam_fp32_sycl_cpu_device_ms": lambda: sx.fused_step("adam", group, st_dev, [p_dev], [None], [g_dev], q),
+        "adam_fp32_kernels_cpu_ms": lambda: fused.fused_step(registry.get("adam"), group, st_cpu, [p_cpu], [None],
+                                                             [g]),
+        "adam_fp32_torch_fused_ms": opt.step}, warmup, iters))
 
     # split-bf16 AdamW: bf16 top + int16 residual, bf16 grad; fp32, bf16 (stochastic rounding) or int8 state.
     top, res = ipex_train.base.ops.split_bf16(w)
@@ -113,9 +94,7 @@ def main(argv=None) -> None:
         print(f"{key:48s} {ms:9.2f} ms")
     print(f"({out['elements']:,} elements, {out['sycl_device']}, torch threads {out['torch_threads']}, "
           f"kernels_cpu variant {out['kernel_variant']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    report.write(args.json, out)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """What LoRA on a bf16-loaded Llama costs per frozen parameter: plain torch against ipex_train.optimize(bf16).
 
-    python -m benchmarks.lora_frozen_bytes [--json out.json]
+    python -m benchmarks.studies.lora_frozen_bytes [--json out.json]
 
 An 8-layer Llama (hidden 512, GQA 8/4 heads, vocabulary 1000) created in bf16 (as ``from_pretrained(dtype=
 torch.bfloat16)`` gives), peft LoRA r=8 on q/k/v/o, AdamW over the adapters, 3 steps on a 4 x 128 batch. Each
 variant runs in its own process, which imports every library first; figures are the process's RSS growth from
 there (after building, and after the steps) divided by the frozen parameters, beside memory_report's bytes per
-frozen parameter (tensors only: plain torch holds 2.0, the bf16 weights).
+frozen parameter (tensors only: plain torch holds 2.0, the bf16 weights). It backs docs/llm_finetune.md, "LoRA on a
+bf16-loaded base".
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import json
 import os
 import subprocess
 import sys
+
+from benchmarks.common import report
 
 VARIANTS = ("torch", "ipex")
 
@@ -59,15 +62,16 @@ def measure(variant: str) -> dict:
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    report = ipex_train.memory_report(model, opt)
+    accounted = ipex_train.memory_report(model, opt)
     return {"variant": variant, "frozen_params": frozen, "built_bytes_per_frozen": (built - before) / frozen,
             "after_3_steps_bytes_per_frozen": (_rss() - before) / frozen,
-            "memory_report_frozen": report.per_frozen()["total"], "memory_report": str(report)}
+            "memory_report_frozen": accounted.per_frozen()["total"], "memory_report": str(accounted)}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run each variant in its own process; print and (with --json) write the figures."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.lora_frozen_bytes", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.lora_frozen_bytes",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
@@ -76,17 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for v in VARIANTS:
-        out = subprocess.run([sys.executable, "-m", "benchmarks.lora_frozen_bytes", "--variant", v], check=True,
+        out = subprocess.run([sys.executable, "-m", "benchmarks.studies.lora_frozen_bytes", "--variant", v], check=True,
                              capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     for r in rows:
         print(f"{r['variant']:>6}: built +{r['built_bytes_per_frozen']:.2f} B/frozen param, after 3 steps "
               f"+{r['after_3_steps_bytes_per_frozen']:.2f}; memory_report {r['memory_report_frozen']:.2f}")
-    if args.json:
-        from recipes._common import machine
-
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "lora_frozen_bytes", "machine": machine(), "runs": rows}, f, indent=2)
+    report.write(args.json, {"benchmark": "lora_frozen_bytes", "runs": rows})
     return 0
 
 

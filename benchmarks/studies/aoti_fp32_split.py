@@ -3,10 +3,11 @@ timed whole, without attention (the context is the value projection) and as atte
 fp32 export and as AOTInductor fp32 packages (default, static shapes, Inductor's flash attention kernel instead of
 the written-out softmax). One process, every package built first, then interleaved calls.
 
-    python -m benchmarks.aoti_fp32_split [--repeats N] [--json PATH]
+    python -m benchmarks.studies.aoti_fp32_split [--repeats N] [--json PATH]
+
+It backs docs/inference.md, "Measured", 2026-11-26 (graph passes): where the fp32 gap is.
 """
 import argparse
-import json
 import math
 import os
 import tempfile
@@ -14,8 +15,9 @@ import tempfile
 import torch
 from torch import nn
 
-from benchmarks.bench_inference import _ipex_train, _time_interleaved
-from benchmarks.inference_models import BertStyleEncoderLayer
+from benchmarks.common import report
+from benchmarks.common.inference_models import BertStyleEncoderLayer
+from benchmarks.common.inference_variants import ipex_train_export, time_on
 from ipex_train import inference
 
 PACKAGES = {"aoti": {}, "aoti_static": {"dynamic_dims": ()}, "aoti_flash": {"write_out_softmax": False}}
@@ -58,15 +60,16 @@ def main(argv=None):
     x = torch.randn(8, 128, 768)
     fns, results = {}, {"torch": torch.__version__, "threads": torch.get_num_threads(), "batch": 8, "seq": 128,
                         "parts": {}}
-    folder = tempfile.mkdtemp(prefix="ipex_aoti_split_")
-    for part in ("full", "no_attention", "attention_only"):
-        model = _model(part)
-        fns[f"{part}/torchscript"] = _ipex_train(model, x)
-        for name, options in PACKAGES.items():
-            path = os.path.join(folder, f"{part}_{name}.pt2")
-            inference.export(model, x, backend="aoti", path=path, config=inference.AOTIConfig(**options))
-            fns[f"{part}/{name}"] = torch._inductor.aoti_load_package(path)
-    timing = _time_interleaved(fns, x, args.repeats, warmup=2)
+    with tempfile.TemporaryDirectory(prefix="ipex_aoti_split_") as folder:
+        for part in ("full", "no_attention", "attention_only"):
+            model = _model(part)
+            fns[f"{part}/torchscript"] = ipex_train_export(model, x)
+            for name, options in PACKAGES.items():
+                path = os.path.join(folder, f"{part}_{name}.pt2")
+                inference.export(model, x, backend="aoti", path=path, config=inference.AOTIConfig(**options))
+                fns[f"{part}/{name}"] = torch._inductor.aoti_load_package(path)
+        rounds = time_on(fns, x, args.repeats, warmup=2)
+    timing = {name: {"median_s": rounds.summary(name).median, "spread": rounds.summary(name).spread} for name in fns}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, b8 s128, 4 layers, median of "
           f"{args.repeats} interleaved calls")
     for part in ("full", "no_attention", "attention_only"):
@@ -77,9 +80,7 @@ def main(argv=None):
             rows[variant] = {**t, "vs_torchscript": base / t["median_s"]}
             print(f"{part:15s} {variant:12s} {t['median_s'] * 1e3:8.2f} ms  spread {t['spread']:5.1%}  "
                   f"{base / t['median_s']:.2f}x TorchScript")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    report.write(args.json, results, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks.coverage [--quick] [--out out/coverage]
+    python -m benchmarks.standalone.coverage [--quick] [--out out/coverage]
 
 Each model is built from its library's constructor or config (no download): torchvision ResNet-50 / ConvNeXt-T /
 ViT-B/16 / Swin-T, timm ViT-Tiny / ConvNeXt-Atto, HuggingFace BERT-base / GPT-2 / a Llama-style decoder, and an
@@ -22,7 +22,6 @@ Writes ``coverage.json`` and ``coverage.md`` (the table) under ``--out`` and pri
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import warnings
@@ -36,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 import ipex_train
+from benchmarks.common import report
 from ipex_train.precision.selection import is_matmul_module
 
 BF16 = torch.bfloat16
@@ -203,7 +203,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Audit every model, write the JSON and markdown table, print the table."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.coverage", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.standalone.coverage",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny transformer configs, no ViT-B/16 (about a minute)")
     parser.add_argument("--out", default=os.path.join("out", "coverage"), help="output folder")
     parser.add_argument("--only", default=None, help="comma-separated substrings of the model names to audit")
@@ -219,12 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one broken model must not hide the others' rows
             rows.append({"model": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "coverage.json"), "w") as f:
-        json.dump({"torch": torch.__version__, "quick": args.quick, "models": rows}, f, indent=1)
-    report = table(rows)
+    report.write(os.path.join(args.out, "coverage.json"), {"quick": args.quick, "models": rows}, indent=1)
+    text = table(rows)
     with open(os.path.join(args.out, "coverage.md"), "w") as f:
-        f.write(report)
-    print("\n" + report)
+        f.write(text)
+    print("\n" + text)
     return 0 if all(r.get("trains") for r in rows) else 1
 
 

@@ -3,34 +3,31 @@ Hugging Face's LlamaRMSNorm (torch ops under autograd) and torch's ``F.rms_norm`
 
 Run from the repository root (on a quiet machine)::
 
-    python -m benchmarks.bench_rms_norm [--threads 2] [--steps 6] [--json out.json]
+    python -m benchmarks.standalone.bench_rms_norm [--threads 2] [--steps 6] [--json out.json]
 
 Each time is the best of 5 rounds of ``--repeats`` calls, the variants interleaved round by round. The fp32 rows
 take fp32 input and an fp32 weight (as the norms of an fp32-fed model under ``optimize``, or under autocast).
 
-``--steps N`` also times N train steps (median) of benchmarks/train_models.py's ``llama_s256`` model under
+``--steps N`` also times N train steps (median) of benchmarks/common/train_models.py's ``llama_s256`` model under
 ``optimize(bf16)`` (native policy), routed against the same model with the policy's RMSNorm routing removed,
 alternating step by step: fed bf16 embeddings (its RMSNorms see bf16 activations) and fed fp32 embeddings as
-benchmarks/bench_train_step.py feeds it (the residual stream and so every RMSNorm stay fp32).
+benchmarks/suite/bench_train_step.py feeds it (the residual stream and so every RMSNorm stay fp32).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from ipex_train.base import ops as _ops
 from ipex_train.rms_norm import rms_norm
 
-from .timing import best_of_rounds
+from ..common import report
+from ..common.timing import best_of_rounds, interleaved
 
-# (batch, sequence, hidden): benchmarks/train_models.py's llama_s256 activations, and a wider model's.
+# (batch, sequence, hidden): benchmarks/common/train_models.py's llama_s256 activations, and a wider model's.
 SHAPES = ((4, 256, 768), (2, 512, 2048))
 
 
@@ -68,10 +65,8 @@ def _variants(shape):
 
 
 def _steps(n: int, dtype: torch.dtype) -> dict:
-    import statistics
-
     import ipex_train
-    from benchmarks.train_models import LlamaLike
+    from benchmarks.common.train_models import LlamaLike
     from ipex_train import compute_policy
 
     torch.manual_seed(0)
@@ -96,17 +91,14 @@ def _steps(n: int, dtype: torch.dtype) -> dict:
             else:
                 vars(m).pop("forward", None)
 
-    times = {"routed": [], "not routed": []}
-    for i in range(2 * n + 2):
-        on = i % 2 == 0
+    def routed_step(on: bool):
         set_routed(on)
-        start = time.perf_counter()
         step()
-        if i >= 2:  # the first of each is a warm-up
-            times["routed" if on else "not routed"].append(time.perf_counter() - start)
+
+    timed = interleaved({"routed": lambda: routed_step(True), "not routed": lambda: routed_step(False)}, n)
     set_routed(True)
     assert all(compute_policy.routes_rms_norm(m) is False for m in norms)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return {k: 1e3 * v for k, v in timed.median().items()}
 
 
 def main(argv=None) -> None:
@@ -131,11 +123,7 @@ def main(argv=None) -> None:
         steps[name] = _steps(args.steps, dtype)
         print(f"llama_s256 train step fed {name} embeddings, median ms: "
               + "  ".join(f"{k} {v:.1f}" for k, v in steps[name].items()), flush=True)
-    if args.json:
-        meta = {"torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                "threads": torch.get_num_threads(), "kernel_variant": _ops.kernel_variant(),
-                "cpu_features": {k: v for k, v in _ops.cpu_features().items() if v}}
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "llama_s256_step_ms": steps or None}, indent=2))
+    report.write(args.json, {"rows": rows, "llama_s256_step_ms": steps or None})
 
 
 if __name__ == "__main__":
