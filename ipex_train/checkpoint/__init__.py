@@ -22,9 +22,11 @@ NumPy) and the data position the caller hands over. A folder counts only once co
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,15 @@ def _distributed() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+@contextlib.contextmanager
+def _quiet(single_process: bool):
+    """DCP warns at every save and load of one process that it assumes one process: intended here."""
+    with warnings.catch_warnings():
+        if single_process:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _check_int(name: str, value, minimum: int, allow_none: bool) -> None:
@@ -151,10 +162,13 @@ class Checkpointer:
         target = _folders.temp_path(self.directory, step)
         self.last_saved_step = step
         if not self.async_save:
-            dcp.save(state, checkpoint_id=target, no_dist=not self._dist)
+            with _quiet(not self._dist):
+                dcp.save(state, checkpoint_id=target, no_dist=not self._dist)
             self._publish(step)
         else:
-            future = dcp.async_save(state, checkpoint_id=target, process_group=self._group, no_dist=not self._dist)
+            with _quiet(not self._dist):
+                future = dcp.async_save(state, checkpoint_id=target, process_group=self._group,
+                                        no_dist=not self._dist)
             self._pending = threading.Thread(target=self._finish, args=(future, step), daemon=True,
                                              name=f"ipex_train checkpoint step-{step}")
             self._pending.start()
@@ -226,10 +240,13 @@ class Checkpointer:
                 raise ValueError(f"Checkpointer: {path} holds no LR scheduler state, but a scheduler was given")
             parts.add("scheduler")
         loaded = _state.template(metadata, self.model, self.rank, parts)
-        dcp.load(loaded, storage_reader=reader, no_dist=not self._dist)
-        _state.load_model(self.model, loaded["model"])
+        # Nothing changes until the checkpoint is read (into new tensors) and its optimizer matches this one; then
+        # the optimizer (whose load checks everything before it changes anything), the model, the scheduler, RNG.
+        with _quiet(not self._dist):
+            dcp.load(loaded, storage_reader=reader, no_dist=not self._dist)
         if self.optimizer is not None:
             _state.load_optimizer(self.model, self.optimizer, loaded["optim"])
+        _state.load_model(self.model, loaded["model"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(loaded["scheduler"])
         mine = loaded.get(f"rank{self.rank}")

@@ -124,7 +124,10 @@ def template(metadata: Metadata, model: nn.Module, rank: int, parts: set[str]) -
     params = dict(model.named_parameters())
     out: dict[str, Any] = {}
     if "model" in parts:
-        out["model"] = get_model_state_dict(model)
+        # New tensors (DTensors for shards), not the live ones plain fp32 parameters' state dict returns: reading
+        # the checkpoint changes nothing before every part has been read and checked.
+        out["model"] = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v
+                        for k, v in get_model_state_dict(model).items()}
     for flat, path in mappings.items():
         top = path[0]
         if top == "model" or top not in parts or (top.startswith("rank") and top != f"rank{rank}"):
