@@ -160,12 +160,13 @@ class Checkpointer:
         state = _state.state_dict(self.model, self.optimizer, self.scheduler, step, self.rank, self.world_size,
                                   data_state)
         target = _folders.temp_path(self.directory, step)
-        self.last_saved_step = step
         if not self.async_save:
             with _quiet(not self._dist):
                 dcp.save(state, checkpoint_id=target, no_dist=not self._dist)
             self._publish(step)
+            self.last_saved_step = step
         else:
+            self.last_saved_step = step  # a failed background write raises at the next wait()
             with _quiet(not self._dist):
                 future = dcp.async_save(state, checkpoint_id=target, process_group=self._group,
                                         no_dist=not self._dist)
