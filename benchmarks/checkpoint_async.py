@@ -2,6 +2,7 @@
 (:class:`ipex_train.checkpoint.Checkpointer`), on the full fine-tune of the 100m Llama of recipes.llm_finetune.
 
     flock -x /tmp/cpu.lock python -m benchmarks.checkpoint_async --json benchmarks/reports/checkpoint_async.json
+    flock -x /tmp/cpu.lock python -m benchmarks.checkpoint_async --parts 3      # the pieces of one save, timed
 
 In one process, after warm-up steps, rounds of three phases of ``--every`` steps each, interleaved:
 ``none`` (the steps alone), ``sync`` (a synchronous save, then the steps) and ``async`` (an asynchronous save, the
@@ -33,6 +34,36 @@ def _phase(kind: str, ckpts: dict, train, step: int, every: int) -> tuple[float,
     return time.perf_counter() - t0, save_s
 
 
+def parts(model, opt, root: str, repeats: int) -> dict:
+    """The pieces of one save, each timed alone ``repeats`` times (medians): what a save puts on the training
+    thread (the state dicts: the optimizer's decodes reduced state to fp32; the staging copy of an asynchronous
+    save) and what it writes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from ipex_train.checkpoint import _state
+
+    times: dict[str, list] = {k: [] for k in ("model_state_dict", "optimizer_state_dict", "dcp_save",
+                                              "async_save_call", "async_background")}
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        get_model_state_dict(model)
+        t1 = time.perf_counter()
+        _state.optimizer_state(model, opt)
+        t2 = time.perf_counter()
+        sd = _state.state_dict(model, opt, None, 1, 0, 1, None)
+        t3 = time.perf_counter()
+        dcp.save(sd, checkpoint_id=os.path.join(root, f"sync{i}"), no_dist=True)
+        t4 = time.perf_counter()
+        future = dcp.async_save(sd, checkpoint_id=os.path.join(root, f"async{i}"), no_dist=True)
+        t5 = time.perf_counter()
+        future.result()
+        t6 = time.perf_counter()
+        for key, value in zip(times, (t1 - t0, t2 - t1, t4 - t3, t5 - t4, t6 - t5)):
+            times[key].append(round(value, 3))
+    return {"parts_s": times, "parts_median_s": {k: statistics.median(v) for k, v in times.items()}}
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -49,6 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dir", default=None, help="checkpoint folder (default: a temporary one)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--parts", type=int, default=0, metavar="N",
+                        help="instead of the phases: time the pieces of a save N times after one step")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -70,6 +103,18 @@ def main(argv=None) -> int:
             step_count[0] += 1
 
     root = args.dir or tempfile.mkdtemp(prefix="checkpoint_async_")
+    if args.parts:
+        train(1)
+        report = {"size": args.size, "parameters": sum(p.numel() for p in model.parameters()),
+                  **parts(model, opt, root, args.parts), "machine": ipex_train.info()["cpu"],
+                  "threads": torch.get_num_threads()}
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+        print(json.dumps(report, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        return 0
     ckpts = {kind: Checkpointer(os.path.join(root, kind), model, opt, sched, keep=1, async_save=kind == "async")
              for kind in ("sync", "async")}
     train(args.warmup)
