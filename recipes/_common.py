@@ -63,6 +63,8 @@ class RunResult:
     @property
     def median_step_s(self) -> float:
         """Median step time, skipping the first steps (warm-up: allocations, kernel selection)."""
+        if not self.step_times_s:  # a run resumed from its final checkpoint trains no step
+            return float("nan")
         times = self.step_times_s[min(3, len(self.step_times_s) - 1):]
         return statistics.median(times)
 
@@ -77,7 +79,7 @@ class RunResult:
             "median_step_ms": 1e3 * self.median_step_s,
             "samples_per_s": self.batch_size / self.median_step_s,
             "peak_rss_mib": self.peak_rss_mib,
-            "final_loss": sum(tail) / len(tail),
+            "final_loss": sum(tail) / len(tail) if tail else float("nan"),
             "accuracy": self.accuracy,
         }
 
@@ -150,7 +152,21 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _child(fn, args, queue):
+def _die_with_parent(parent: int) -> None:
+    """End this process when its parent ends, even by SIGKILL (Linux): a run killed with kill -9 must not leave
+    its training process running on (writing checkpoints beside the run that resumes)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):  # not Linux: the child outlives a killed parent, as before
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _child(fn, args, queue, parent: int):
+    _die_with_parent(parent)
     try:
         result = fn(args)
         result.peak_rss_mib = peak_rss_mib()
@@ -166,7 +182,7 @@ def run_isolated(fn: Callable[[argparse.Namespace], RunResult], args: argparse.N
     RunResult (or a subclass defined at module level: the object comes back pickled)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(fn, args, queue))
+    proc = ctx.Process(target=_child, args=(fn, args, queue, os.getpid()))
     proc.start()
     status, payload = queue.get()
     proc.join()

@@ -11,6 +11,12 @@ every decoder layer and the root on a CPU mesh (with a bf16 MixedPrecisionPolicy
 optimizer, then ipex_train.optimize(model, optimizer, dtype=..., inplace=True). Rank 0 shows a progress bar and
 writes the metrics as JSON and the loss/step-time curves as PNG; --checkpoint DIR saves the model and optimizer
 with torch.distributed.checkpoint at the end (loadable at any number of processes, or into a plain model).
+
+--checkpoint-dir DIR --checkpoint-every N saves every N steps and at the end into DIR/step-N
+(:class:`ipex_train.checkpoint.Checkpointer`: shards of the model and optimizer, the LR schedule, each rank's RNG
+states and data position); the same command run again (after a crash) resumes from the
+latest complete checkpoint and rank 0 prints where (--no-resume starts over). Resuming needs the same number of
+processes (the data position is per rank).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from recipes import _common
+from recipes import _checkpoints, _common
 
 
 def corpus() -> torch.Tensor:
@@ -61,13 +67,10 @@ def shard(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     return model
 
 
-def batches(data: torch.Tensor, batch_size: int, seq_len: int, seed: int):
-    """Endless random windows of the text for this rank (its own generator): (inputs, next-byte targets)."""
-    gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
-    while True:
-        start = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=gen)
-        window = torch.stack([data[s:s + seq_len + 1] for s in start.tolist()])
-        yield window[:, :-1], window[:, 1:]
+def batches(data: torch.Tensor, batch_size: int, seq_len: int, seed: int) -> _checkpoints.RandomWindows:
+    """Endless random windows of ``seq_len + 1`` bytes of the text for this rank (its own generator; inputs are
+    ``[:, :-1]``, next-byte targets ``[:, 1:]``); its ``state_dict()`` is the position a checkpoint holds."""
+    return _checkpoints.RandomWindows(data, batch_size, seq_len + 1, seed * 1000 + dist.get_rank())
 
 
 def train(args: argparse.Namespace) -> _common.RunResult:
@@ -91,9 +94,13 @@ def train(args: argparse.Namespace) -> _common.RunResult:
     result = _common.RunResult(name=name, dtype=args.dtype, steps=args.steps,
                                batch_size=args.batch_size * dist.get_world_size())
     data = batches(corpus(), args.batch_size, args.seq_len, args.seed)
-    bar = tqdm(range(args.steps), desc=name, disable=not rank0 or args.no_progress, dynamic_ncols=True)
-    for _ in bar:
-        x, y = next(data)
+    ckpt, start = _checkpoints.open_run(args, args.checkpoint_dir, model, optimizer, scheduler, data,
+                                        say=lambda line: rank0 and print(line, flush=True))
+    result.first_step = start
+    bar = tqdm(range(start, args.steps), desc=name, disable=not rank0 or args.no_progress, dynamic_ncols=True)
+    for step in bar:
+        window = next(data)
+        x, y = window[:, :-1], window[:, 1:]
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         logits = model(input_ids=x).logits
@@ -106,6 +113,11 @@ def train(args: argparse.Namespace) -> _common.RunResult:
         dist.all_reduce(mean)
         result.losses.append(float(mean) / dist.get_world_size())
         bar.set_postfix(loss=f"{result.losses[-1]:.3f}", ms=f"{1e3 * result.step_times_s[-1]:.0f}")
+        if ckpt is not None:
+            ckpt.maybe_save(step + 1, data.state_dict())
+    if ckpt is not None:
+        ckpt.maybe_save(args.steps, data.state_dict(), final=True)
+        ckpt.close()
     if args.checkpoint:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -130,11 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint", metavar="DIR", help="save model and optimizer with DCP at the end")
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="save model and optimizer with DCP once, at the end, into DIR itself (no resuming)")
+    _checkpoints.add_flags(parser)
     parser.add_argument("--json", default=os.path.join("out", "fsdp_train", "metrics.json"))
     parser.add_argument("--plot", default=os.path.join("out", "fsdp_train", "fsdp_train.png"))
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    _checkpoints.check_flags(parser, args)
     if "RANK" not in os.environ:  # run directly: one process
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
     dist.init_process_group("gloo")
@@ -142,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         result = train(args)
         if dist.get_rank() == 0:
             print(_common.report([result]))
-            _common.write_json(args.json, [result], {"world_size": dist.get_world_size(), "args": vars(args)})
+            _common.write_json(args.json, [result], {"world_size": dist.get_world_size(), "args": vars(args),
+                                                     "first_step": result.first_step})
             _common.plot(args.plot, [result], f"FSDP2 on {dist.get_world_size()} CPU processes (gloo)")
             print(f"wrote {args.json} and {args.plot}")
         dist.barrier()  # the ranks leave together: none tears down while rank 0 still writes its report

@@ -22,6 +22,11 @@ Variants (``--variants``, comma separated), each in its own process so that its 
 * ``ipex-int8-sib``: + ``step_in_backward=True``
 * ``ipex-int8-sib-ckpt``: + gradient checkpointing (``model.activation_checkpointing_enable()``)
 
+Checkpoints (``full`` and ``lora``): ``--checkpoint-dir DIR --checkpoint-every N`` saves every N steps and at the
+end into ``DIR/VARIANT/step-N`` (:class:`ipex_train.checkpoint.Checkpointer`: model, optimizer, LR schedule, RNG
+states, the data position); the same command run again resumes each variant from its latest complete checkpoint
+and prints where (``--no-resume`` starts over). The JSON's ``first_step`` says where a run's losses start.
+
 Reported per variant: tokens/s (median step), peak RSS minus the process's RSS before the model is built, that in
 bytes per parameter, ipex_train.memory_report's bytes per trainable and per frozen parameter, and the losses (same
 batches for every variant). JSON and a PNG of loss and tokens/s per step under ``--out``.
@@ -39,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from recipes import _common
+from recipes import _checkpoints, _common
 
 # hidden, layers, heads, kv heads, MLP width: ~0.1M to ~1B parameters (vocabulary 256: byte-level).
 SIZES = {
@@ -65,12 +70,10 @@ def corpus(max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
 
 
-def batches(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int):
-    """Endless random windows of ``seq_len`` tokens (the same sequence for every variant of one seed)."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=g)
-        yield torch.stack([tokens[s:s + seq_len] for s in starts.tolist()])
+def batches(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int) -> _checkpoints.RandomWindows:
+    """Endless random windows of ``seq_len`` tokens (the same sequence for every variant of one seed); its
+    ``state_dict()`` is the position a checkpoint holds."""
+    return _checkpoints.RandomWindows(tokens, batch_size, seq_len, seed)
 
 
 def build(size: str, dtype: torch.dtype, seq_len: int):
@@ -115,6 +118,7 @@ class LLMRun(_common.RunResult):
     trainable: int = 0
     rss_before_mib: float = 0.0
     memory_report: dict = field(default_factory=dict)
+    first_step: int = 0  # the step a resumed run started from (its losses are those of steps first_step, ...)
 
     def summary(self) -> dict:
         """The scalar metrics, with tokens/s and the memory figures."""
@@ -124,7 +128,7 @@ class LLMRun(_common.RunResult):
                    tokens_per_s=self.batch_size * self.seq_len / self.median_step_s,
                    rss_before_mib=self.rss_before_mib, peak_rss_added_mib=added,
                    peak_rss_bytes_per_param=added * 2 ** 20 / max(1, self.parameters),
-                   memory_report=self.memory_report)
+                   memory_report=self.memory_report, first_step=self.first_step)
         return out
 
 
@@ -206,8 +210,12 @@ def _train(args, model, optimizer, context, data, result: LLMRun) -> None:
     from tqdm import tqdm
 
     scheduler = warmup(optimizer, args.warmup_steps)
-    bar = tqdm(range(args.steps), desc=f"{args.variant:>20}", disable=args.no_progress, dynamic_ncols=True)
-    for _ in bar:
+    ckpt, result.first_step = _checkpoints.open_run(args, os.path.join(args.checkpoint_dir or "", args.variant),
+                                                    model, optimizer, scheduler, data,
+                                                    say=lambda line: print(f"{args.variant}: {line}", flush=True))
+    bar = tqdm(range(result.first_step, args.steps), desc=f"{args.variant:>20}", disable=args.no_progress,
+               dynamic_ncols=True)
+    for step in bar:
         ids = next(data)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -220,6 +228,11 @@ def _train(args, model, optimizer, context, data, result: LLMRun) -> None:
         result.losses.append(loss.item())
         bar.set_postfix(loss=f"{result.losses[-1]:.3f}",
                         tok_s=f"{args.batch_size * args.seq_len / result.step_times_s[-1]:.0f}")
+        if ckpt is not None:
+            ckpt.maybe_save(step + 1, data.state_dict())
+    if ckpt is not None:
+        ckpt.maybe_save(args.steps, data.state_dict(), final=True)
+        ckpt.close()
 
 
 def _train_with_trainer(args, model, optimizer, data, result: LLMRun) -> None:
@@ -318,7 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="PATH", help="default: OUT/llm_finetune.png")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
+    _checkpoints.add_flags(parser)
     args = parser.parse_args(argv)
+    _checkpoints.check_flags(parser, args)
+    if args.checkpoint_dir is not None and args.mode == "trainer":
+        parser.error("--checkpoint-dir: the trainer mode checkpoints through transformers.Trainer (save_strategy); "
+                     "use --mode full or lora")
     default = "torch,ipex" if args.mode == "trainer" else ",".join(VARIANTS)
     variants = (args.variants or default).split(",")
     unknown = [v for v in variants if v not in VARIANTS]

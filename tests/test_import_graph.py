@@ -61,6 +61,7 @@ ALLOWED = {
     "config": {"base"},  # OptimizeConfig
     "training": {"base", "optim", "precision"},  # the returned optimizer, the step inside backward
     "distributed": {"base", "optim", "precision", "training"},  # FSDP2
+    "checkpoint": set(),  # DCP checkpoints of plain training loops (through the objects' own state_dicts)
     "quantization": {"base", "precision", "inference", "compute_policy"},
     "reports": {"base", "optim", "precision", "compute_policy", "training", "xpu"},  # summary, memory, info: read only
     "frontend": {"base", "config", "optim", "precision", "compute_policy", "training", "distributed", "inference",
