@@ -20,6 +20,8 @@ import statistics
 import tempfile
 import time
 
+from ..common import report as report_writer
+
 
 def _phase(kind: str, ckpts: dict, train, step: int, every: int) -> tuple[float, float]:
     """One phase; (its wall time, the time the save call itself took)."""
@@ -111,9 +113,7 @@ def main(argv=None) -> int:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
         print(json.dumps(report, indent=1))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+        report_writer.write(args.json, report, indent=1)
         return 0
     ckpts = {kind: Checkpointer(os.path.join(root, kind), model, opt, sched, keep=1, async_save=kind == "async")
              for kind in ("sync", "async")}
@@ -138,10 +138,7 @@ def main(argv=None) -> int:
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(report, indent=1))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    report_writer.write(args.json, report, indent=1)
     return 0
 
 
