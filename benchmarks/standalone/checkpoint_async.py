@@ -1,8 +1,8 @@
 """What checkpointing costs a training loop: one save every 10 steps, synchronous or asynchronous
 (:class:`ipex_train.checkpoint.Checkpointer`), on the full fine-tune of the 100m Llama of recipes.llm_finetune.
 
-    flock -x /tmp/cpu.lock python -m benchmarks.standalone.checkpoint_async --json benchmarks/reports/checkpoint_async.json
-    flock -x /tmp/cpu.lock python -m benchmarks.standalone.checkpoint_async --parts 3      # the pieces of one save, timed
+    python -m benchmarks.standalone.checkpoint_async --json benchmarks/reports/checkpoint_async.json
+    python -m benchmarks.standalone.checkpoint_async --parts 3      # the pieces of one save, timed
 
 In one process, after warm-up steps, rounds of three phases of ``--every`` steps each, interleaved:
 ``none`` (the steps alone), ``sync`` (a synchronous save, then the steps) and ``async`` (an asynchronous save, the
