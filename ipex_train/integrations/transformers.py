@@ -51,3 +51,10 @@ def _save_pretrained(model: nn.Module, *args, **kwargs):
         return cls.save_pretrained(model, *args, **kwargs)
     finally:
         model.__class__ = cls
+
+
+def __getattr__(name: str):  # the drop-in Trainer, loaded on first use: optimize() imports this module too
+    if name == "Trainer":
+        from .hf_trainer import Trainer
+        return Trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
