@@ -211,3 +211,19 @@ def test_refused_settings_leave_the_model_alone(tmp_path, kw, config, match):
 def test_optimize_config_type_is_checked(tmp_path):
     with pytest.raises(TypeError, match="optimize_config must be an ipex_train.OptimizeConfig"):
         Trainer(model=tiny_bert(), args=targs(tmp_path), optimize_config={"step_in_backward": True})
+
+
+def test_passed_optimizer_is_optimized_in_place_and_train_twice(tmp_path):
+    """optimizers=(optimizer, scheduler): the optimizer is optimized in place, so its scheduler still drives it; a
+    second train() keeps the optimized optimizer."""
+    model = tiny_bert()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    t = Trainer(model=model, args=targs(tmp_path, bf16=True, max_steps=3), train_dataset=Data(),
+                optimizers=(opt, sched))
+    t.train()
+    inner = t.optimizer.optimizer
+    assert isinstance(inner, torch.optim.SGD) and ipex_train.summary(t.model, inner).fused_step == "sgd"
+    assert inner.param_groups[0] is opt.param_groups[0] and opt.param_groups[0]["lr"] == pytest.approx(0.1 / 4)
+    t.train()
+    assert t.optimizer.optimizer is inner

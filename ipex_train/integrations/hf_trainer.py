@@ -100,8 +100,9 @@ class Trainer(transformers.Trainer):
             raise ValueError("Trainer.create_optimizer: ipex_train optimizes Trainer.model itself; a wrapped model "
                              "(FSDP, SageMaker) is not supported")
         optimizer = super().create_optimizer(model)
-        if getattr(optimizer, "_ipex_masters", None) is not None and self._ipex_converted is self.model:
-            return optimizer  # already optimized by an earlier train() call
+        inner = getattr(optimizer, "optimizer", optimizer)  # an earlier train() left accelerate's wrapper
+        if getattr(inner, "_ipex_masters", None) is not None and self._ipex_converted is self.model:
+            return optimizer  # optimized by an earlier train() call
         cls = type(optimizer)
         if registry.for_class(cls) is None and self._ipex_config.fuse_update_step is not False:
             _log.warning("ipex_train Trainer: optim=%r (%s) has no fused step in ipex_train; it runs its own step on "
