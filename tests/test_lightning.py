@@ -145,3 +145,20 @@ def test_step_in_backward_refusals_leave_the_module_alone(kw, match):
         R.trainer(plugin, max_steps=2, **kw).fit(module, R.loader(8))
     assert all(p.dtype == torch.float32 for p in module.parameters())
     assert_same(state(module), before)
+
+
+def test_recipe_runs_and_resumes_exactly(tmp_path):
+    pytest.importorskip("transformers")
+    import json
+
+    from recipes import lightning_train
+
+    metrics = tmp_path / "metrics.json"
+    rc = lightning_train.main(["--steps", "3", "--batches", "2", "--batch-size", "2", "--width", "16", "--layers", "1",
+                               "--seq", "8", "--vocab", "16", "--no-progress", "--no-compare-fp32", "--out",
+                               str(tmp_path), "--json", str(metrics)])
+    data = json.loads(metrics.read_text())
+    assert rc == 0 and data["checks"] == {"resume_exact": True}
+    [run] = data["runs"]
+    assert run["name"] == "ipex_train plugin bf16" and len(run["losses"]) == 3
+    assert (tmp_path / "lightning_train.png").stat().st_size > 0
