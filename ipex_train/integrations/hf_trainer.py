@@ -101,10 +101,11 @@ class Trainer(transformers.Trainer):
                              "(FSDP, SageMaker) is not supported")
         optimizer = super().create_optimizer(model)
         inner = getattr(optimizer, "optimizer", optimizer)  # an earlier train() left accelerate's wrapper
-        if getattr(inner, "_ipex_masters", None) is not None and self._ipex_converted is self.model:
+        optimized = getattr(inner, "_ipex_masters", None) is not None
+        if optimized and self._ipex_converted is self.model:
             return optimizer  # optimized by an earlier train() call
         cls = type(optimizer)
-        if registry.for_class(cls) is None and self._ipex_config.fuse_update_step is not False:
+        if not optimized and registry.for_class(cls) is None and self._ipex_config.fuse_update_step is not False:
             _log.warning("ipex_train Trainer: optim=%r (%s) has no fused step in ipex_train; it runs its own step on "
                          "fp32 values of the low-precision parameters (fused: %s)",
                          getattr(self.args.optim, "value", self.args.optim),
