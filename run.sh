@@ -24,9 +24,9 @@ setup() {  # $1: the extras to install with the project
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  setup) setup test,recipes,xpu ;;
+  setup) setup test,recipes,xpu,lightning ;;
   main) setup recipes; exec "$PY" -m recipes.digits "$@" ;;
-  test) setup test,recipes,xpu
+  test) setup test,recipes,xpu,lightning
     "$PY" -m ruff check ipex_train tests benchmarks recipes setup.py
     exec "$PY" -m pytest -q "$@" ;;
   bench) setup recipes,xpu,peers; exec "$PY" -m benchmarks --quick "$@" ;;

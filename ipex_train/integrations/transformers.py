@@ -8,4 +8,12 @@ from __future__ import annotations
 
 from ..precision.libraries import keep_fp32_checkpoints
 
-__all__ = ["keep_fp32_checkpoints"]
+__all__ = ["Trainer", "keep_fp32_checkpoints"]
+
+
+def __getattr__(name: str):  # the drop-in Trainer (ipex_train/integrations/hf_trainer.py), loaded on first use
+    if name == "Trainer":
+        from .hf_trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
