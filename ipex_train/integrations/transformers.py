@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..precision.libraries import keep_fp32_checkpoints
 
-__all__ = ["Trainer", "keep_fp32_checkpoints"]
+__all__ = ["keep_fp32_checkpoints"]  # and Trainer, loaded on first use (below)
 
 
 def __getattr__(name: str):  # the drop-in Trainer (ipex_train/integrations/hf_trainer.py), loaded on first use
