@@ -1,0 +1,446 @@
+// The per-tile work of ipex_train's tiled attention (attention_flash.h), included by attention_flash_avx512.cpp
+// (FLASH_DPBF16: products by AVX-512 BF16 dot products, 512-bit vectors elsewhere) and attention_flash_generic.cpp
+// (plain C++). FLASH_TABLE names the Tasks table the including file defines.
+//
+// Products: C[m][n] (+)= sum_k A[m][k] B[k][n], A bf16 row-major with the reduction contiguous, B packed in pairs
+// along the reduction ([K / 2][n][2]), fp32 accumulation. Forward, per query tile: S = Q K^T, an online softmax
+// (running max and sum in fp32), O += P V. Backward recomputes P from the saved log-sum-exp: per key tile
+// S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q; per query tile S = Q K^T, dP = dO V^T, dQ += dS K. Each
+// output element is summed by one task in a fixed order, so results do not depend on the thread count.
+//
+// The row loops keep 16 partial maxima/sums (combined in a fixed order) so that the compiler vectorizes them
+// without reassociating floating-point sums.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "attention_flash.h"
+
+#ifdef FLASH_DPBF16
+#include <immintrin.h>
+#endif
+
+namespace ipex_train {
+namespace flash {
+namespace {
+
+constexpr float kInf = __builtin_inff();
+constexpr int kLanes = 16;
+
+inline float bits_to_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t f32_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float bf16_to_f32(uint16_t x) { return bits_to_f32(uint32_t(x) << 16); }
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even (finite values)
+  const uint32_t u = f32_to_bits(f);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+inline float maxf(float a, float b) { return a > b ? a : b; }
+
+// e^x, relative error ~2e-7 for x in [-88, 88]; 0 for x = -inf (and NaN). 2^t = 2^n 2^f, n = round(t), |f| <= 1/2.
+inline float fexp(float x) {
+  float t = x * 1.44269504088896341f;
+  t = t > -127.0f ? t : -127.0f;
+  t = t < 127.0f ? t : 127.0f;
+  const float shifted = t + 12582912.0f;  // 1.5 * 2^23: the low mantissa bits hold round(t)
+  const float n = shifted - 12582912.0f;
+  const float f = (t - n) * 0.693147180559945309f;
+  const float poly = 1.0f + f * (1.0f + f * (0.5f + f * (1.66666667e-1f + f * (4.16666667e-2f + f *
+                     (8.33333333e-3f + f * 1.38888889e-3f)))));
+  const uint32_t n_bits = f32_to_bits(shifted) - f32_to_bits(12582912.0f);
+  return poly * bits_to_f32((n_bits + 127u) << 23);  // n = -127 gives 0
+}
+
+// The dropout of ipex_train's attention (attention_rows.h): row keys from splitmix64 of the seed and the row's index
+// in [B, Hq, S]; element (row, column) kept when a murmur3 finalizer hash of the keys and the column is >= threshold.
+inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+inline void row_keys(const Args& a, int64_t row, uint32_t* key0, uint32_t* key1) {
+  uint64_t x = static_cast<uint64_t>(a.seed) + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(row + 1);
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  x = x ^ (x >> 31);
+  *key0 = static_cast<uint32_t>(x);
+  *key1 = static_cast<uint32_t>(x >> 32);
+}
+inline float keep_scale(const Args& a, uint32_t column, uint32_t key0, uint32_t key1) {
+  const uint32_t h = fmix32(fmix32(column ^ key0) + key1);
+  return (h >> 8) >= a.drop_threshold ? a.drop_scale : 0.0f;
+}
+
+// ---- products ------------------------------------------------------------------------------------------------
+#ifdef FLASH_DPBF16
+template <int MR, int NV>
+inline __attribute__((always_inline)) void micro(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                                                 int64_t kp, float* C, int64_t ldc, bool acc) {
+  __m512 c[MR][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) c[r][v] = acc ? _mm512_loadu_ps(C + r * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + p * ldb + 32 * v);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, A + r * lda + 2 * p, 4);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], x, b[v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + r * ldc + 16 * v, c[r][v]);
+}
+
+template <int MR, int NV>
+void micro_tail(int64_t rem, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, int64_t kp, float* C,
+                int64_t ldc, bool acc) {
+  if constexpr (MR > 0) {
+    if (rem == MR) micro<MR, NV>(A, lda, B, ldb, kp, C, ldc, acc);
+    else micro_tail<MR - 1, NV>(rem, A, lda, B, ldb, kp, C, ldc, acc);
+  }
+}
+
+template <int MR, int NV>
+void column_block(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B, int64_t ldb, int64_t kp, float* C,
+                  int64_t ldc, bool acc) {
+  int64_t r = 0;
+  for (; r + MR <= m; r += MR) micro<MR, NV>(A + r * lda, lda, B, ldb, kp, C + r * ldc, ldc, acc);
+  if (r < m) micro_tail<MR - 1, NV>(m - r, A + r * lda, lda, B, ldb, kp, C + r * ldc, ldc, acc);
+}
+
+// n a multiple of 16; ldb = 2 * (packed columns).
+void gemm(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B, int64_t ldb, int64_t n, int64_t kp,
+          float* C, int64_t ldc, bool acc) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= n; c0 += 64) column_block<6, 4>(A, lda, m, B + 2 * c0, ldb, kp, C + c0, ldc, acc);
+  for (; c0 + 32 <= n; c0 += 32) column_block<12, 2>(A, lda, m, B + 2 * c0, ldb, kp, C + c0, ldc, acc);
+  for (; c0 + 16 <= n; c0 += 16) column_block<12, 1>(A, lda, m, B + 2 * c0, ldb, kp, C + c0, ldc, acc);
+}
+#else
+// Not loop-vectorized: GCC 12 at -O3 vectorized the two chained fp32 sums over p into wrong results (the portable
+// build's scores were off by ~10% on x86-64; -O2 and -fno-tree-loop-vectorize gave the exact sums).
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-tree-loop-vectorize")))
+#endif
+void gemm(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B, int64_t ldb, int64_t n, int64_t kp,
+          float* C, int64_t ldc, bool acc) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = 0; c < n; ++c) {
+      float sum = acc ? C[r * ldc + c] : 0.0f;
+      for (int64_t p = 0; p < kp; ++p) {
+        const uint16_t* a = A + r * lda + 2 * p;
+        const uint16_t* b = B + p * ldb + 2 * c;
+        sum += bf16_to_f32(a[1]) * bf16_to_f32(b[1]);
+        sum += bf16_to_f32(a[0]) * bf16_to_f32(b[0]);
+      }
+      C[r * ldc + c] = sum;
+    }
+  }
+}
+#endif
+
+// ---- per-tile context ------------------------------------------------------------------------------------------
+inline int64_t n_query_tiles(const Args& a) { return (a.s + kBM - 1) / kBM; }
+inline int64_t n_key_tiles(const Args& a) { return (a.t + kBN - 1) / kBN; }
+
+// Rows i0 .. i0 + rows of (bi, h): each query's key range [lo, hi), its log-sum-exp, delta and dropout keys.
+struct QueryRows {
+  int64_t i0, rows;
+  int32_t lo[kBM], hi[kBM];
+  float lse[kBM], delta[kBM];
+  uint32_t key0[kBM], key1[kBM];
+};
+
+inline void query_rows(const Args& a, int64_t bi, int64_t h, int64_t it, bool backward, QueryRows* q) {
+  q->i0 = it * kBM;
+  q->rows = min64(kBM, a.s - q->i0);
+  for (int64_t r = 0; r < kBM; ++r) {
+    const int64_t i = q->i0 + r;
+    const int64_t row = (bi * a.hq + h) * a.s + i;
+    if (r >= q->rows) {  // padding rows: no key
+      q->lo[r] = 1;
+      q->hi[r] = 0;
+      q->lse[r] = kInf;
+      q->delta[r] = 0.0f;
+      q->key0[r] = q->key1[r] = 0;
+      continue;
+    }
+    q->lo[r] = a.row_lo ? a.row_lo[bi * a.s + i] : 0;
+    q->hi[r] = static_cast<int32_t>(a.causal ? min64(i + 1, a.t) : a.t);
+    if (backward) {
+      q->lse[r] = a.lse[row];
+      q->delta[r] = a.delta[row];
+    }
+    if (a.dropout) row_keys(a, row, &q->key0[r], &q->key1[r]);
+  }
+}
+
+// Key tiles any of the rows reaches: the rows' ranges grow with the row (lo and hi are nondecreasing).
+inline void key_tiles(const QueryRows& q, int64_t* first, int64_t* end) {
+  const int64_t lo = q.lo[0], hi = q.hi[q.rows - 1];
+  *first = lo / kBN;
+  *end = hi > lo ? (hi + kBN - 1) / kBN : *first;
+}
+
+inline const float* mask_row(const Args& a, int64_t bi, int64_t h, int64_t i) {
+  return a.mask + bi * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2];
+}
+
+// One row of a score tile: scale, mask, and -inf outside [clo, chi).
+inline void score_row(const Args& a, float* sr, int64_t clo, int64_t chi, const float* mr) {
+  const float scale = a.scale;
+  for (int64_t c = 0; c < kBN; ++c) {
+    const float x = sr[c] * scale;
+    sr[c] = (c >= clo && c < chi) ? x : -kInf;
+  }
+  if (mr != nullptr)
+    for (int64_t c = clo; c < chi; ++c) sr[c] += mr[c];
+}
+
+// ---- forward ---------------------------------------------------------------------------------------------------
+// p = e^(s - m) of one row: summed (16 partial sums) and written in bf16, dropped and rescaled under dropout.
+template <bool DROPOUT>
+inline void exp_row(const Args& a, const float* sr, float m, uint16_t* pr, float* sums, uint32_t j0, uint32_t key0,
+                    uint32_t key1) {
+  const uint32_t threshold = a.drop_threshold;
+  const float drop_scale = a.drop_scale;
+  for (int64_t c0 = 0; c0 < kBN; c0 += kLanes) {
+    for (int l2 = 0; l2 < kLanes; ++l2) {
+      const int64_t c = c0 + l2;
+      const float e = fexp(sr[c] - m);
+      sums[l2] += e;
+      float kept = e;
+      if constexpr (DROPOUT) {
+        const uint32_t h = fmix32(fmix32((j0 + uint32_t(c)) ^ key0) + key1);
+        kept = (h >> 8) >= threshold ? e * drop_scale : 0.0f;
+      }
+      pr[c] = f32_to_bf16(kept);
+    }
+  }
+}
+
+// Online softmax of row r of the tile at key j0: updates the running max m and sum l, rescales the output row,
+// writes the row's (dropped) probabilities in bf16 for P V.
+inline void online_row(const Args& a, const QueryRows& q, int64_t r, int64_t j0, float* sr, uint16_t* pr, float* m,
+                       float* l, float* orow) {
+  float part[kLanes];
+  for (int l2 = 0; l2 < kLanes; ++l2) part[l2] = -kInf;
+  for (int64_t c0 = 0; c0 < kBN; c0 += kLanes)
+    for (int l2 = 0; l2 < kLanes; ++l2) part[l2] = maxf(part[l2], sr[c0 + l2]);
+  float mx = -kInf;
+  for (int l2 = 0; l2 < kLanes; ++l2) mx = maxf(mx, part[l2]);
+  const float m_new = maxf(*m, mx);
+  if (!(m_new > -kInf)) {  // no key yet
+    for (int64_t c = 0; c < kBN; ++c) pr[c] = 0;
+    return;
+  }
+  const float alpha = fexp(*m - m_new);
+  float sums[kLanes] = {};
+  if (a.dropout) exp_row<true>(a, sr, m_new, pr, sums, uint32_t(j0), q.key0[r], q.key1[r]);
+  else exp_row<false>(a, sr, m_new, pr, sums, uint32_t(j0), 0, 0);
+  float sum = 0.0f;
+  for (int l2 = 0; l2 < kLanes; ++l2) sum += sums[l2];
+  *l = *l * alpha + sum;
+  *m = m_new;
+  if (alpha != 1.0f)
+    for (int64_t c = 0; c < a.dv; ++c) orow[c] *= alpha;
+}
+
+void forward_task(const Args& a, int64_t bi, int64_t h, int64_t it, float* scratch) {
+  const int64_t g = a.hq / a.hk, hk = h / g, ntn = n_key_tiles(a);
+  QueryRows q;
+  query_rows(a, bi, h, it, false, &q);
+  float* S = scratch;
+  auto* P = reinterpret_cast<uint16_t*>(scratch + kBM * kBN);
+  float* O = scratch + 2 * kBM * kBN;
+  float m[kBM], l[kBM];
+  for (int64_t r = 0; r < q.rows; ++r) {
+    m[r] = -kInf;
+    l[r] = 0.0f;
+  }
+  for (int64_t x = 0; x < q.rows * a.dv; ++x) O[x] = 0.0f;
+  const uint16_t* qrow = a.q + ((bi * a.hq + h) * a.s + q.i0) * a.d;
+  int64_t jt0, jt1;
+  key_tiles(q, &jt0, &jt1);
+  for (int64_t jt = jt0; jt < jt1; ++jt) {
+    const int64_t j0 = jt * kBN, tile = (bi * a.hk + hk) * ntn + jt;
+    gemm(qrow, a.d, q.rows, a.k_d + tile * a.d * kBN, 2 * kBN, kBN, a.d / 2, S, kBN, false);
+    for (int64_t r = 0; r < q.rows; ++r) {
+      const int64_t clo = max64(q.lo[r] - j0, 0), chi = min64(q.hi[r] - j0, kBN);
+      score_row(a, S + r * kBN, clo, chi, a.mask ? mask_row(a, bi, h, q.i0 + r) + j0 : nullptr);
+      online_row(a, q, r, j0, S + r * kBN, P + r * kBN, &m[r], &l[r], O + r * a.dv);
+    }
+    gemm(P, kBN, q.rows, a.v_r + tile * kBN * a.dv, 2 * a.dv, a.dv, kBN / 2, O, a.dv, true);
+  }
+  for (int64_t r = 0; r < q.rows; ++r) {
+    const int64_t row = (bi * a.hq + h) * a.s + q.i0 + r;
+    uint16_t* out = a.out + row * a.dv;
+    if (l[r] > 0.0f) {
+      const float inv = 1.0f / l[r];
+      for (int64_t c = 0; c < a.dv; ++c) out[c] = f32_to_bf16(O[r * a.dv + c] * inv);
+      a.lse[row] = m[r] + __builtin_logf(l[r]);
+    } else {  // no key: zeros, as torch's attention gives; +inf makes the backward's probabilities 0
+      for (int64_t c = 0; c < a.dv; ++c) out[c] = 0;
+      a.lse[row] = kInf;
+    }
+  }
+}
+
+// ---- backward --------------------------------------------------------------------------------------------------
+// First query row past those that reach keys below `key_end` (documents: lo is nondecreasing).
+inline int64_t rows_reaching(const Args& a, int64_t bi, int64_t key_end) {
+  if (a.row_lo == nullptr) return a.s;
+  int64_t lo = 0, hi = a.s;
+  const int32_t* rl = a.row_lo + bi * a.s;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (rl[mid] < key_end) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// One key row n (key index `key`) of the transposed tiles: P^T and dS^T over the tile's queries.
+template <bool DROPOUT>
+inline void transposed_row_impl(const Args& a, const QueryRows& q, int64_t key, float* st, const float* dpt,
+                                uint16_t* pt, uint16_t* dst) {
+  const float scale = a.scale, drop_scale = a.drop_scale;
+  const uint32_t threshold = a.drop_threshold;
+  const int32_t k32 = static_cast<int32_t>(key);
+  for (int64_t m = 0; m < kBM; ++m) {
+    const bool valid = (k32 >= q.lo[m]) & (k32 < q.hi[m]);
+    const float e = fexp(st[m] - q.lse[m]);
+    const float p = valid ? e : 0.0f;
+    float keep = 1.0f;
+    if constexpr (DROPOUT) {
+      const uint32_t h = fmix32(fmix32(uint32_t(key) ^ q.key0[m]) + q.key1[m]);
+      keep = (h >> 8) >= threshold ? drop_scale : 0.0f;
+    }
+    pt[m] = f32_to_bf16(p * keep);
+    dst[m] = f32_to_bf16(p * (dpt[m] * keep - q.delta[m]) * scale);
+  }
+}
+
+inline void transposed_row(const Args& a, const QueryRows& q, int64_t bi, int64_t h, int64_t key, float* st,
+                           const float* dpt, uint16_t* pt, uint16_t* dst) {
+  const float scale = a.scale;
+  if (a.mask) {
+    for (int64_t m = 0; m < kBM; ++m) st[m] *= scale;
+    for (int64_t m = 0; m < q.rows; ++m) st[m] += mask_row(a, bi, h, q.i0 + m)[key];
+  } else {
+    for (int64_t m = 0; m < kBM; ++m) st[m] *= scale;
+  }
+  if (a.dropout) transposed_row_impl<true>(a, q, key, st, dpt, pt, dst);
+  else transposed_row_impl<false>(a, q, key, st, dpt, pt, dst);
+}
+
+void backward_kv_task(const Args& a, int64_t bi, int64_t hk, int64_t jt, float* scratch) {
+  const int64_t g = a.hq / a.hk, ntm = n_query_tiles(a);
+  const int64_t j0 = jt * kBN, keys = min64(kBN, a.t - j0);
+  float* ST = scratch;
+  float* dPT = scratch + kBM * kBN;
+  auto* PT = reinterpret_cast<uint16_t*>(scratch + 2 * kBM * kBN);
+  auto* dST = PT + kBM * kBN;
+  float* dK = scratch + 4 * kBM * kBN;
+  float* dV = dK + kBN * a.d;
+  for (int64_t x = 0; x < keys * a.d; ++x) dK[x] = 0.0f;
+  for (int64_t x = 0; x < keys * a.dv; ++x) dV[x] = 0.0f;
+  const uint16_t* krow = a.k + ((bi * a.hk + hk) * a.t + j0) * a.d;
+  const uint16_t* vrow = a.v + ((bi * a.hk + hk) * a.t + j0) * a.dv;
+  const int64_t i_begin = a.causal ? j0 : 0, i_end = rows_reaching(a, bi, j0 + keys);
+  QueryRows q;
+  for (int64_t h = hk * g; h < (hk + 1) * g && i_begin < i_end; ++h) {
+    for (int64_t it = i_begin / kBM; it < (i_end + kBM - 1) / kBM; ++it) {
+      query_rows(a, bi, h, it, true, &q);
+      const int64_t tile = (bi * a.hq + h) * ntm + it;
+      gemm(krow, a.d, keys, a.q_d + tile * a.d * kBM, 2 * kBM, kBM, a.d / 2, ST, kBM, false);
+      gemm(vrow, a.dv, keys, a.g_d + tile * a.dv * kBM, 2 * kBM, kBM, a.dv / 2, dPT, kBM, false);
+      for (int64_t n = 0; n < keys; ++n)
+        transposed_row(a, q, bi, h, j0 + n, ST + n * kBM, dPT + n * kBM, PT + n * kBM, dST + n * kBM);
+      gemm(PT, kBM, keys, a.g_r + tile * kBM * a.dv, 2 * a.dv, a.dv, kBM / 2, dV, a.dv, true);
+      gemm(dST, kBM, keys, a.q_r + tile * kBM * a.d, 2 * a.d, a.d, kBM / 2, dK, a.d, true);
+    }
+  }
+  const int64_t first = (bi * a.hk + hk) * a.t + j0;
+  for (int64_t x = 0; x < keys * a.d; ++x) a.dk_out[first * a.d + x] = f32_to_bf16(dK[x]);
+  for (int64_t x = 0; x < keys * a.dv; ++x) a.dv_out[first * a.dv + x] = f32_to_bf16(dV[x]);
+}
+
+// One query row of the tiles of the dQ pass: dS over the tile's keys.
+template <bool DROPOUT>
+inline void grad_row_impl(const Args& a, const QueryRows& q, int64_t r, uint32_t j0, const float* sr,
+                          const float* dpr, uint16_t* dsr) {
+  const float lse = q.lse[r], delta = q.delta[r], scale = a.scale, drop_scale = a.drop_scale;
+  const uint32_t threshold = a.drop_threshold, key0 = q.key0[r], key1 = q.key1[r];
+  for (int64_t c = 0; c < kBN; ++c) {
+    const float p = fexp(sr[c] - lse);  // -inf outside the row's keys: 0
+    float keep = 1.0f;
+    if constexpr (DROPOUT) {
+      const uint32_t h = fmix32(fmix32((j0 + uint32_t(c)) ^ key0) + key1);
+      keep = (h >> 8) >= threshold ? drop_scale : 0.0f;
+    }
+    dsr[c] = f32_to_bf16(p * (dpr[c] * keep - delta) * scale);
+  }
+}
+
+inline void grad_row(const Args& a, const QueryRows& q, int64_t r, int64_t j0, const float* sr, const float* dpr,
+                     uint16_t* dsr) {
+  if (a.dropout) grad_row_impl<true>(a, q, r, uint32_t(j0), sr, dpr, dsr);
+  else grad_row_impl<false>(a, q, r, uint32_t(j0), sr, dpr, dsr);
+}
+
+void backward_q_task(const Args& a, int64_t bi, int64_t h, int64_t it, float* scratch) {
+  const int64_t g = a.hq / a.hk, hk = h / g, ntn = n_key_tiles(a);
+  QueryRows q;
+  query_rows(a, bi, h, it, true, &q);
+  float* S = scratch;
+  float* dP = scratch + kBM * kBN;
+  auto* dS = reinterpret_cast<uint16_t*>(scratch + 2 * kBM * kBN);
+  float* dQ = scratch + 4 * kBM * kBN;
+  for (int64_t x = 0; x < q.rows * a.d; ++x) dQ[x] = 0.0f;
+  const int64_t first = (bi * a.hq + h) * a.s + q.i0;
+  const uint16_t* qrow = a.q + first * a.d;
+  const uint16_t* grow = a.grad + first * a.dv;
+  int64_t jt0, jt1;
+  key_tiles(q, &jt0, &jt1);
+  for (int64_t jt = jt0; jt < jt1; ++jt) {
+    const int64_t j0 = jt * kBN, tile = (bi * a.hk + hk) * ntn + jt;
+    gemm(qrow, a.d, q.rows, a.k_d + tile * a.d * kBN, 2 * kBN, kBN, a.d / 2, S, kBN, false);
+    gemm(grow, a.dv, q.rows, a.v_d + tile * a.dv * kBN, 2 * kBN, kBN, a.dv / 2, dP, kBN, false);
+    for (int64_t r = 0; r < q.rows; ++r) {
+      const int64_t clo = max64(q.lo[r] - j0, 0), chi = min64(q.hi[r] - j0, kBN);
+      score_row(a, S + r * kBN, clo, chi, a.mask ? mask_row(a, bi, h, q.i0 + r) + j0 : nullptr);
+      grad_row(a, q, r, j0, S + r * kBN, dP + r * kBN, dS + r * kBN);
+    }
+    gemm(dS, kBN, q.rows, a.k_r + tile * kBN * a.d, 2 * a.d, a.d, kBN / 2, dQ, a.d, true);
+  }
+  for (int64_t x = 0; x < q.rows * a.d; ++x) a.dq_out[first * a.d + x] = f32_to_bf16(dQ[x]);
+}
+
+}  // namespace
+
+extern const Tasks FLASH_TABLE = {&forward_task, &backward_kv_task, &backward_q_task};
+
+}  // namespace flash
+}  // namespace ipex_train
