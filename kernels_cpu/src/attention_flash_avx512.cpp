@@ -2,6 +2,8 @@
 // vectors for the row passes. Only called after cpu_features.cpp has seen avx512_bf16 and OS support for zmm state.
 #if defined(__x86_64__) && !defined(__clang__)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,prefer-vector-width=512")
+// GCC 12 warns inside its own intrinsics headers (_mm512_undefined_* in reductions and masked ops).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #define FLASH_DPBF16 1
 #define FLASH_TABLE kAvx512Bf16Tasks
 #include "attention_flash_tiles.h"
