@@ -3,11 +3,12 @@
 // tiles over the threads. The tiles themselves are in attention_flash_tiles.h (per ISA).
 //
 // Memory per call grows with the sequence, not its square: forward keeps the output and one log-sum-exp per row;
-// backward packs copies of Q, K, V and dO (each the size of its tensor) and recomputes the probabilities tile by
-// tile. Backward runs two kinds of independent tasks over the threads: dK, dV of one key tile of one key/value head
-// (summing over its query heads and tiles), and dQ of one query tile of one query head (summing over the key tiles),
-// so a batch of 1 still yields (heads x tiles) tasks; each output is written by one task, in a fixed order, so the
-// bits do not depend on the number of threads.
+// backward packs copies of Q, K and dO (each the size of its tensor), recomputes the probabilities tile by tile, and
+// keeps dQ in fp32 once per chunk of key tiles (at most kChunks). Backward's tasks are (batch, key/value head, chunk
+// of key tiles): each computes dK, dV of its keys completely (summing over the query heads of the group and the
+// query tiles) and its chunk's share of dQ, so a batch of 1 still yields (key/value heads x chunks) tasks with five
+// products per tile pair (dQ needs no second pass); the chunks' dQ shares are added in chunk order afterwards. Every
+// output is summed in a fixed order, so the bits do not depend on the number of threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -157,6 +158,54 @@ at::Tensor pack_rows(const at::Tensor& src, int64_t tile) {
   return out;
 }
 
+// src [heads, rows, cols] -> [heads, tiles, cols, tile]: each tile transposed, zero rows past the end.
+at::Tensor pack_transposed(const at::Tensor& src, int64_t tile) {
+  const int64_t heads = src.size(0) * src.size(1), rows = src.size(2), cols = src.size(3);
+  const int64_t tiles = (rows + tile - 1) / tile;
+  at::Tensor out = at::empty({heads * tiles * cols * tile}, src.options());
+  const uint16_t* s = bits(src);
+  uint16_t* o = bits_mut(out);
+  at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t hh = x / tiles, ti = x % tiles;
+      uint16_t* ot = o + x * cols * tile;
+      for (int64_t r = 0; r < tile; ++r) {
+        const int64_t row = ti * tile + r;
+        const uint16_t* sr = s + (hh * rows + row) * cols;
+        for (int64_t c = 0; c < cols; ++c) ot[c * tile + r] = row < rows ? sr[c] : 0;
+      }
+    }
+  });
+  return out;
+}
+
+// Key tiles per chunk of the backward's dK/dV tasks: at most kChunks chunks per key/value head, each adding its
+// share of dQ into a buffer of its own (fp32, the size of dQ), summed in chunk order after all tasks: the split
+// depends on the shape only, never on the thread count.
+constexpr int64_t kChunks = 4;
+int64_t chunk_tiles(int64_t key_tiles) { return (key_tiles + kChunks - 1) / kChunks; }
+
+// dQ = sum over chunks of dq_part (stored transposed per query tile), in chunk order.
+void reduce_dq(const flash::Args& a, int64_t chunks, at::Tensor& dq) {
+  const int64_t ntm = (a.s + kBM - 1) / kBM, tiles = a.b * a.hq * ntm;
+  uint16_t* out = bits_mut(dq);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(a.d * kBM));
+    for (int64_t x = begin; x < end; ++x) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* part = a.dq_part + (c * tiles + x) * a.d * kBM;
+        for (int64_t i = 0; i < a.d * kBM; ++i) acc[i] += part[i];
+      }
+      const int64_t bh = x / ntm, i0 = (x % ntm) * kBM, rows = std::min(kBM, a.s - i0);
+      for (int64_t m = 0; m < rows; ++m) {
+        uint16_t* row = out + (bh * a.s + i0 + m) * a.d;
+        for (int64_t col = 0; col < a.d; ++col) row[col] = c10::BFloat16(acc[col * kBM + m]).x;
+      }
+    }
+  });
+}
+
 // Runs task(index, scratch) for index in [0, n) over the threads, each thread taking the next index (the tasks of
 // causal attention differ in size); every task writes outputs of its own, so the order does not matter.
 template <class Task>
@@ -242,39 +291,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
              dv = at::empty(v.sizes(), v.options());
   if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   const at::Tensor delta = row_delta(grad, out);
-  const at::Tensor k_d = pack_cols(k, kBN), v_d = pack_cols(v, kBN), k_r = pack_rows(k, kBN);
+  const at::Tensor k_t = pack_transposed(k, kBN);
   const at::Tensor q_d = pack_cols(q, kBM), q_r = pack_rows(q, kBM), g_d = pack_cols(grad, kBM),
                    g_r = pack_rows(grad, kBM);
+  const int64_t ntm = (a.s + kBM - 1) / kBM, ntn = (a.t + kBN - 1) / kBN;
+  a.chunk_tiles = chunk_tiles(ntn);
+  const int64_t chunks = (ntn + a.chunk_tiles - 1) / a.chunk_tiles;
+  at::Tensor dq_part = at::zeros({chunks * a.b * a.hq * ntm * a.d * kBM}, q.options().dtype(at::kFloat));
   a.q = bits(q);
   a.k = bits(k);
   a.v = bits(v);
   a.grad = bits(grad);
-  a.k_d = bits(k_d);
-  a.v_d = bits(v_d);
-  a.k_r = bits(k_r);
+  a.k_t = bits(k_t);
   a.q_d = bits(q_d);
   a.q_r = bits(q_r);
   a.g_d = bits(g_d);
   a.g_r = bits(g_r);
   a.lse = const_cast<float*>(lse.const_data_ptr<float>());  // read only in backward
   a.delta = delta.const_data_ptr<float>();
-  a.dq_out = bits_mut(dq);
+  a.dq_part = dq_part.data_ptr<float>();
   a.dk_out = bits_mut(dk);
   a.dv_out = bits_mut(dv);
   const flash::Tasks& tasks = flash_tasks();
-  const int64_t ntm = (a.s + kBM - 1) / kBM, ntn = (a.t + kBN - 1) / kBN;
-  const int64_t kv_heads = a.b * a.hk, q_heads = a.b * a.hq, n_kv = kv_heads * ntn;
-  // dK/dV tasks first, first key tiles first (under a causal mask the most queries reach them), then dQ tasks,
-  // last query tiles first.
-  run_tasks(n_kv + q_heads * ntm, flash::scratch_floats(a), [&](int64_t x, float* scratch) {
-    if (x < n_kv) {
-      const int64_t jt = x / kv_heads, bh = x % kv_heads;
-      tasks.backward_kv(a, bh / a.hk, bh % a.hk, jt, scratch);
-    } else {
-      const int64_t y = x - n_kv, it = ntm - 1 - y / q_heads, bh = y % q_heads;
-      tasks.backward_q(a, bh / a.hq, bh % a.hq, it, scratch);
-    }
+  const int64_t kv_heads = a.b * a.hk;
+  // First chunks first: under a causal mask the most queries reach them.
+  run_tasks(kv_heads * chunks, flash::scratch_floats(a), [&](int64_t x, float* scratch) {
+    const int64_t chunk = x / kv_heads, bh = x % kv_heads;
+    tasks.backward_kv(a, bh / a.hk, bh % a.hk, chunk, scratch);
   });
+  reduce_dq(a, chunks, dq);
   return {dq, dk, dv};
 }
 

@@ -23,10 +23,14 @@ struct Args {
   bool causal;
   // Inputs, contiguous.
   const uint16_t *q, *k, *v, *grad;
-  // Packed key/value tiles: k_d, v_r (forward and dQ), v_d, k_r (dQ).
-  const uint16_t *k_d, *v_r, *v_d, *k_r;
-  // Packed query/grad tiles (dK/dV): q_d, q_r, g_d, g_r.
-  const uint16_t *q_d, *q_r, *g_d, *g_r;
+  // Packed key/value tiles (forward): k_d, v_r.
+  const uint16_t *k_d, *v_r;
+  // Packed query/grad tiles (dK/dV): q_d, q_r, g_d, g_r; key tiles transposed ([D][BN], for dQ^T += K^T dS^T).
+  const uint16_t *q_d, *q_r, *g_d, *g_r, *k_t;
+  // dQ^T per chunk of key tiles: [chunks][B * Hq][query tiles][D][BM] fp32, zeroed by the host, which adds the
+  // chunks in order.
+  float* dq_part;
+  int64_t chunk_tiles;
   // Additive fp32 mask [B, Hq, S, T] by strides (last stride 1), or null.
   const float* mask;
   int64_t mask_stride[3];
@@ -41,7 +45,7 @@ struct Args {
   float* lse;
   const float* delta;
   // Outputs.
-  uint16_t *out, *dq_out, *dk_out, *dv_out;
+  uint16_t *out, *dk_out, *dv_out;
 };
 
 // Scratch floats one task needs (per thread).
@@ -52,14 +56,12 @@ inline int64_t scratch_floats(const Args& a) {
 
 // One forward task: query tile i of (batch bi, query head h).
 using ForwardTask = void (*)(const Args&, int64_t bi, int64_t h, int64_t i, float* scratch);
-// dK/dV of key tile j of (bi, key/value head hk); dQ of query tile i of (bi, h).
-using BackwardKVTask = void (*)(const Args&, int64_t bi, int64_t hk, int64_t j, float* scratch);
-using BackwardQTask = void (*)(const Args&, int64_t bi, int64_t h, int64_t i, float* scratch);
+// dK/dV of the key tiles of one chunk of (bi, key/value head hk), and their share of dQ (dq_part).
+using BackwardKVTask = void (*)(const Args&, int64_t bi, int64_t hk, int64_t chunk, float* scratch);
 
 struct Tasks {
   ForwardTask forward;
   BackwardKVTask backward_kv;
-  BackwardQTask backward_q;
 };
 
 extern const Tasks kGenericTasks;

@@ -4,9 +4,10 @@
 //
 // Products: C[m][n] (+)= sum_k A[m][k] B[k][n], A bf16 row-major with the reduction contiguous, B packed in pairs
 // along the reduction ([K / 2][n][2]), fp32 accumulation. Forward, per query tile: S = Q K^T, an online softmax
-// (running max and sum in fp32), O += P V. Backward recomputes P from the saved log-sum-exp: per key tile
-// S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q; per query tile S = Q K^T, dP = dO V^T, dQ += dS K. Each
-// output element is summed by one task in a fixed order, so results do not depend on the thread count.
+// (running max and sum in fp32), O += P V. Backward recomputes P from the saved log-sum-exp, per key tile:
+// S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, and dQ^T += K^T dS^T into the buffer of the key tile's
+// chunk. Each output element is summed by one task in a fixed order (and the chunks' dQ in chunk order), so results
+// do not depend on the thread count.
 //
 // The row loops keep 16 partial maxima/sums (combined in a fixed order) so that the compiler vectorizes them
 // without reassociating floating-point sums.
@@ -317,24 +318,6 @@ inline void forward_row(const Args& a, const QueryRows& q, int64_t r, int64_t j0
   }
 }
 
-inline void grad_row_full(const Args& a, const QueryRows& q, int64_t r, int64_t j0, int64_t clo, int64_t chi,
-                          const float* mr, float* sr, const float* dpr, uint16_t* dsr) {
-  __m512 x[kBN / 16];
-  score_vectors(a, sr, clo, chi, mr, x);
-  const __m512 lse = _mm512_set1_ps(q.lse[r]), delta = _mm512_set1_ps(q.delta[r]), scale = _mm512_set1_ps(a.scale);
-  const __m512i key0 = _mm512_set1_epi32(static_cast<int32_t>(q.key0[r]));
-  const __m512i key1 = _mm512_set1_epi32(static_cast<int32_t>(q.key1[r]));
-  for (int v = 0; v < kBN / 16; ++v) {
-    const __m512 p = vexp(_mm512_sub_ps(x[v], lse));  // -inf outside the row's keys: 0
-    __m512 dp = _mm512_loadu_ps(dpr + 16 * v);
-    if (a.dropout) {
-      const __m512i col = _mm512_add_epi32(iota16(), _mm512_set1_epi32(static_cast<int32_t>(j0 + 16 * v)));
-      dp = _mm512_mul_ps(dp, vkeep(a, col, key0, key1));
-    }
-    store_bf16(dsr + 16 * v, _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(dp, delta)), scale));
-  }
-}
-
 inline void transposed_row(const Args& a, const QueryRows& q, int64_t bi, int64_t h, int64_t key, float* st,
                            const float* dpt, uint16_t* pt, uint16_t* dst) {
   const __m512 scale = _mm512_set1_ps(a.scale);
@@ -510,19 +493,43 @@ inline void transposed_row(const Args& a, const QueryRows& q, int64_t bi, int64_
 
 #endif
 
-void backward_kv_task(const Args& a, int64_t bi, int64_t hk, int64_t jt, float* scratch) {
-  const int64_t g = a.hq / a.hk, ntm = n_query_tiles(a);
+// dS^T [BN][BM] -> pairs along the keys [BN / 2][BM][2], rows past `keys` as zeros: the B operand of
+// dQ^T += K^T dS^T.
+inline void interleave_keys(const uint16_t* dst, int64_t keys, uint16_t* out) {
+#ifdef FLASH_DPBF16
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t n = 0; n < kBN; n += 2) {
+    for (int v = 0; v < kBM / 16; ++v) {
+      const __m512i even = n < keys ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                          reinterpret_cast<const __m256i*>(dst + n * kBM + 16 * v))) : zero;
+      const __m512i odd = n + 1 < keys ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                             reinterpret_cast<const __m256i*>(dst + (n + 1) * kBM + 16 * v))) : zero;
+      _mm512_storeu_si512(out + n * kBM + 32 * v, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+    }
+  }
+#else
+  for (int64_t n = 0; n < kBN; ++n)
+    for (int64_t m = 0; m < kBM; ++m) out[((n / 2) * kBM + m) * 2 + n % 2] = n < keys ? dst[n * kBM + m] : 0;
+#endif
+}
+
+// Key tile jt of (bi, hk): dK and dV (complete: every query reaching these keys), and this chunk's share of dQ^T
+// (summed over the chunk's key tiles; the host adds the chunks in order).
+void backward_key_tile(const Args& a, int64_t bi, int64_t hk, int64_t jt, int64_t chunk, float* scratch) {
+  const int64_t g = a.hq / a.hk, ntm = n_query_tiles(a), ntn = n_key_tiles(a);
   const int64_t j0 = jt * kBN, keys = min64(kBN, a.t - j0);
   float* ST = scratch;
   float* dPT = scratch + kBM * kBN;
   auto* PT = reinterpret_cast<uint16_t*>(scratch + 2 * kBM * kBN);
   auto* dST = PT + kBM * kBN;
+  auto* dSTi = dST + kBM * kBN;
   float* dK = scratch + 4 * kBM * kBN;
   float* dV = dK + kBN * a.d;
   for (int64_t x = 0; x < keys * a.d; ++x) dK[x] = 0.0f;
   for (int64_t x = 0; x < keys * a.dv; ++x) dV[x] = 0.0f;
   const uint16_t* krow = a.k + ((bi * a.hk + hk) * a.t + j0) * a.d;
   const uint16_t* vrow = a.v + ((bi * a.hk + hk) * a.t + j0) * a.dv;
+  const uint16_t* kt = a.k_t + ((bi * a.hk + hk) * ntn + jt) * a.d * kBN;
   const int64_t i_begin = a.causal ? j0 : 0, i_end = rows_reaching(a, bi, j0 + keys);
   QueryRows q;
   for (int64_t h = hk * g; h < (hk + 1) * g && i_begin < i_end; ++h) {
@@ -535,6 +542,9 @@ void backward_kv_task(const Args& a, int64_t bi, int64_t hk, int64_t jt, float* 
         transposed_row(a, q, bi, h, j0 + n, ST + n * kBM, dPT + n * kBM, PT + n * kBM, dST + n * kBM);
       gemm(PT, kBM, keys, a.g_r + tile * kBM * a.dv, 2 * a.dv, a.dv, kBM / 2, dV, a.dv, true);
       gemm(dST, kBM, keys, a.q_r + tile * kBM * a.d, 2 * a.d, a.d, kBM / 2, dK, a.d, true);
+      interleave_keys(dST, keys, dSTi);
+      float* dqt = a.dq_part + (chunk * a.b * a.hq * ntm + tile) * a.d * kBM;
+      gemm(kt, kBN, a.d, dSTi, 2 * kBM, kBM, kBN / 2, dqt, kBM, true);
     }
   }
   const int64_t first = (bi * a.hk + hk) * a.t + j0;
@@ -542,68 +552,16 @@ void backward_kv_task(const Args& a, int64_t bi, int64_t hk, int64_t jt, float* 
   for (int64_t x = 0; x < keys * a.dv; ++x) a.dv_out[first * a.dv + x] = f32_to_bf16(dV[x]);
 }
 
-#ifndef FLASH_DPBF16
-// One query row of the tiles of the dQ pass: dS over the tile's keys.
-template <bool DROPOUT>
-inline void grad_row_impl(const Args& a, const QueryRows& q, int64_t r, uint32_t j0, const float* sr,
-                          const float* dpr, uint16_t* dsr) {
-  const float lse = q.lse[r], delta = q.delta[r], scale = a.scale, drop_scale = a.drop_scale;
-  const uint32_t threshold = a.drop_threshold, key0 = q.key0[r], key1 = q.key1[r];
-  for (int64_t c = 0; c < kBN; ++c) {
-    const float p = fexp(sr[c] - lse);  // -inf outside the row's keys: 0
-    float keep = 1.0f;
-    if constexpr (DROPOUT) {
-      const uint32_t h = fmix32(fmix32((j0 + uint32_t(c)) ^ key0) + key1);
-      keep = (h >> 8) >= threshold ? drop_scale : 0.0f;
-    }
-    dsr[c] = f32_to_bf16(p * (dpr[c] * keep - delta) * scale);
-  }
+void backward_kv_task(const Args& a, int64_t bi, int64_t hk, int64_t chunk, float* scratch) {
+  const int64_t end = min64(n_key_tiles(a), (chunk + 1) * a.chunk_tiles);
+  for (int64_t jt = chunk * a.chunk_tiles; jt < end; ++jt) backward_key_tile(a, bi, hk, jt, chunk, scratch);
 }
 
-inline void grad_row(const Args& a, const QueryRows& q, int64_t r, int64_t j0, const float* sr, const float* dpr,
-                     uint16_t* dsr) {
-  if (a.dropout) grad_row_impl<true>(a, q, r, uint32_t(j0), sr, dpr, dsr);
-  else grad_row_impl<false>(a, q, r, uint32_t(j0), sr, dpr, dsr);
-}
 
-inline void grad_row_full(const Args& a, const QueryRows& q, int64_t r, int64_t j0, int64_t clo, int64_t chi,
-                          const float* mr, float* sr, const float* dpr, uint16_t* dsr) {
-  score_row(a, sr, clo, chi, mr);
-  grad_row(a, q, r, j0, sr, dpr, dsr);
-}
-#endif
-
-void backward_q_task(const Args& a, int64_t bi, int64_t h, int64_t it, float* scratch) {
-  const int64_t g = a.hq / a.hk, hk = h / g, ntn = n_key_tiles(a);
-  QueryRows q;
-  query_rows(a, bi, h, it, true, &q);
-  float* S = scratch;
-  float* dP = scratch + kBM * kBN;
-  auto* dS = reinterpret_cast<uint16_t*>(scratch + 2 * kBM * kBN);
-  float* dQ = scratch + 4 * kBM * kBN;
-  for (int64_t x = 0; x < q.rows * a.d; ++x) dQ[x] = 0.0f;
-  const int64_t first = (bi * a.hq + h) * a.s + q.i0;
-  const uint16_t* qrow = a.q + first * a.d;
-  const uint16_t* grow = a.grad + first * a.dv;
-  int64_t jt0, jt1;
-  key_tiles(q, &jt0, &jt1);
-  for (int64_t jt = jt0; jt < jt1; ++jt) {
-    const int64_t j0 = jt * kBN, tile = (bi * a.hk + hk) * ntn + jt;
-    gemm(qrow, a.d, q.rows, a.k_d + tile * a.d * kBN, 2 * kBN, kBN, a.d / 2, S, kBN, false);
-    gemm(grow, a.dv, q.rows, a.v_d + tile * a.dv * kBN, 2 * kBN, kBN, a.dv / 2, dP, kBN, false);
-    for (int64_t r = 0; r < q.rows; ++r) {
-      const int64_t clo = max64(q.lo[r] - j0, 0), chi = min64(q.hi[r] - j0, kBN);
-      grad_row_full(a, q, r, j0, clo, chi, a.mask ? mask_row(a, bi, h, q.i0 + r) + j0 : nullptr, S + r * kBN,
-                    dP + r * kBN, dS + r * kBN);
-    }
-    gemm(dS, kBN, q.rows, a.k_r + tile * kBN * a.d, 2 * a.d, a.d, kBN / 2, dQ, a.d, true);
-  }
-  for (int64_t x = 0; x < q.rows * a.d; ++x) a.dq_out[first * a.d + x] = f32_to_bf16(dQ[x]);
-}
 
 }  // namespace
 
-extern const Tasks FLASH_TABLE = {&forward_task, &backward_kv_task, &backward_q_task};
+extern const Tasks FLASH_TABLE = {&forward_task, &backward_kv_task};
 
 }  // namespace flash
 }  // namespace ipex_train
