@@ -101,10 +101,11 @@ def test_boolean_and_additive_masks():
     additive = torch.zeros(keep.shape).masked_fill(~keep, -math.inf) + torch.randn(keep.shape)
     got = _grads(lambda q, k, v: _flash(q, k, v, mask=additive), q, k, v, g)
     _close(got, _reference(q, k, v, g, attn_mask=additive))
-    # Through the public function, long enough for the tiled kernel: a boolean key padding mask.
-    q, k, v = _qkv(2, 2, 2, 600, 600, 64, seed=3)
-    g = torch.randn(2, 2, 600, 64)
-    pad = torch.ones(2, 1, 1, 600, dtype=torch.bool)
+    # Through the public function, enough keys for the tiled kernel: a boolean key padding mask.
+    t = attention.TILES_FROM_KEYS + 6
+    q, k, v = _qkv(2, 2, 2, 40, t, 64, seed=3)
+    g = torch.randn(2, 2, 40, 64)
+    pad = torch.ones(2, 1, 1, t, dtype=torch.bool)
     pad[1, ..., 450:] = False
     got = _grads(lambda q, k, v: attention.scaled_dot_product_attention(q, k, v, attn_mask=pad), q, k, v, g)
     _close(got, _reference(q, k, v, g, attn_mask=pad))
@@ -181,7 +182,8 @@ def test_portable_build_agrees(variant):
 
 
 def test_torch_compile_full_graph():
-    q, k, v = _qkv(1, 4, 2, 80, 80, 64)
+    s = attention.CAUSAL_TILES_FROM_KEYS + 8  # long enough for the tiled kernel
+    q, k, v = _qkv(1, 4, 2, s, s, 64)
 
     def fn(q, k, v):
         return attention.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -215,7 +217,16 @@ def test_op_rejects_bad_inputs():
         torch.ops.ipex_train.attention_flash_forward(q, k, v, None, starts, 0.0, True, 1.0, seed)
 
 
-def test_routing_between_the_kernels():
+def test_routing_between_the_kernels(monkeypatch):
+    calls = []
+    for name in ("forward", "flash_forward"):
+        original = getattr(_op, name)
+        monkeypatch.setattr(_op, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    for s, causal in ((attention.CAUSAL_TILES_FROM_KEYS - 1, True), (attention.CAUSAL_TILES_FROM_KEYS, True),
+                      (attention.TILES_FROM_KEYS - 1, False), (attention.TILES_FROM_KEYS, False)):
+        q, k, v = _qkv(1, 1, 1, 16, s, 64)
+        attention.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert calls == ["forward", "flash_forward", "forward", "flash_forward"]
     # Long key sequences are covered (no cap); head dims the tiles cannot take stay with the row kernel up to its cap.
     q, k, v = _qkv(1, 1, 1, 8, 3000, 64)
     assert attention.supports(q, k, v)

@@ -9,7 +9,7 @@ Two kernels, picked per call by :func:`scaled_dot_product_attention`:
   query tile) for dQ, with the same bits at any thread count. Memory per call grows with the sequence length.
 - the *row* kernel (``kernels_cpu/src/attention.cpp``): bf16 matmuls (oneDNN) around one fused pass per score row;
   it keeps the S x T probabilities, so it only takes short key sequences (:data:`ROWS_MAX_KEYS`), and it is used
-  there where it measured faster (non-causal, up to :data:`TILES_FROM_KEYS` keys; docs/attention.md).
+  below :data:`TILES_FROM_KEYS` keys (causal: :data:`CAUSAL_TILES_FROM_KEYS`), where it measured faster.
 
 :func:`scaled_dot_product_attention` has the signature of ``torch.nn.functional.scaled_dot_product_attention`` and
 falls back to it for what it does not cover (:func:`supports`). :func:`packed_attention` computes causal attention
@@ -35,13 +35,14 @@ from . import _op
 from ._packed import document_starts, packed_attention
 
 __all__ = ["scaled_dot_product_attention", "packed_attention", "document_starts", "supports", "ROWS_MAX_KEYS",
-           "TILES_FROM_KEYS"]
+           "TILES_FROM_KEYS", "CAUSAL_TILES_FROM_KEYS"]
 
 # Longest key sequence the row kernel takes: it keeps the S x T probabilities (bf16, twice with dropout).
 ROWS_MAX_KEYS = 1024
-# Non-causal calls with fewer keys than this go to the row kernel, which measured faster there (docs/attention.md);
-# causal calls, and longer ones, go to the tiled kernel.
-TILES_FROM_KEYS = 512
+# Calls with fewer keys than this (causal: CAUSAL_TILES_FROM_KEYS) go to the row kernel, which measured faster there
+# (docs/attention.md); longer ones go to the tiled kernel.
+TILES_FROM_KEYS = 1024
+CAUSAL_TILES_FROM_KEYS = 512
 
 
 def _mask_ok(mask, query, key) -> bool:
@@ -105,7 +106,7 @@ def _tiles_run(query, value) -> bool:
 
 
 def _use_tiles(query, key, value, is_causal: bool) -> bool:
-    return (is_causal or key.shape[2] >= TILES_FROM_KEYS) and _tiles_run(query, value)
+    return key.shape[2] >= (CAUSAL_TILES_FROM_KEYS if is_causal else TILES_FROM_KEYS) and _tiles_run(query, value)
 
 
 def _seed(dropout_p: float) -> torch.Tensor:

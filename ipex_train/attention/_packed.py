@@ -87,6 +87,11 @@ def attend_causal(query, key, value, doc_starts, attn_mask=None, dropout_p: floa
     if key.shape[2] != s:
         raise ValueError(f"causal attention over packed sequences needs as many keys as queries, got {s} queries "
                          f"and {key.shape[2]} keys")
+    if doc_starts is None and attn_mask is None:  # plain causal: the package's rule picks the kernel
+        from . import scaled_dot_product_attention
+
+        return scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                            enable_gqa=enable_gqa)
     plain_ok = supports(query, key, value, attn_mask, dropout_p, False, scale, enable_gqa)
     if plain_ok and _tiles_run(query, value):
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
