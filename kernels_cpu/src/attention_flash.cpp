@@ -301,7 +301,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
   a.q = bits(q);
   a.k = bits(k);
   a.v = bits(v);
-  a.grad = bits(grad);
   a.k_t = bits(k_t);
   a.q_d = bits(q_d);
   a.q_r = bits(q_r);

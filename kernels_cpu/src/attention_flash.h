@@ -22,7 +22,7 @@ struct Args {
   float scale;
   bool causal;
   // Inputs, contiguous.
-  const uint16_t *q, *k, *v, *grad;
+  const uint16_t *q, *k, *v;
   // Packed key/value tiles (forward): k_d, v_r.
   const uint16_t *k_d, *v_r;
   // Packed query/grad tiles (dK/dV): q_d, q_r, g_d, g_r; key tiles transposed ([D][BN], for dQ^T += K^T dS^T).
