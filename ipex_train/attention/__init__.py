@@ -32,10 +32,10 @@ import torch.nn.functional as F
 
 from .. import _ops
 from . import _op
-from ._packed import document_starts, packed_attention
+from ._packed import attend_causal, document_starts, packed_attention
 
-__all__ = ["scaled_dot_product_attention", "packed_attention", "document_starts", "supports", "ROWS_MAX_KEYS",
-           "TILES_FROM_KEYS", "CAUSAL_TILES_FROM_KEYS"]
+__all__ = ["scaled_dot_product_attention", "packed_attention", "attend_causal", "document_starts", "supports",
+           "ROWS_MAX_KEYS", "TILES_FROM_KEYS", "CAUSAL_TILES_FROM_KEYS"]
 
 # Longest key sequence the row kernel takes: it keeps the S x T probabilities (bf16, twice with dropout).
 ROWS_MAX_KEYS = 1024

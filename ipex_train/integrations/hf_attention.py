@@ -20,7 +20,6 @@ import math
 import torch
 
 from .. import attention
-from ..attention._packed import attend_causal
 
 NAME = "ipex_train"
 
@@ -94,7 +93,7 @@ def ipex_train_attention_forward(module, query, key, value, attention_mask, drop
     elif causal and s == t and s > 1:
         starts = _starts(kwargs, attention_mask, batch, s, window)
         key_mask = None if attention_mask is None else _key_mask(attention_mask, batch, t)
-        out = attend_causal(query, key, value, starts, key_mask, dropout, scaling, gqa)
+        out = attention.attend_causal(query, key, value, starts, key_mask, dropout, scaling, gqa)
     else:
         mask = None
         if attention_mask is not None or (causal and s > 1) or window is not None:
