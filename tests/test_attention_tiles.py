@@ -234,3 +234,15 @@ def test_routing_between_the_kernels(monkeypatch):
     assert not attention.supports(q40, k40, v40)
     assert attention.supports(q40[..., :attention.ROWS_MAX_KEYS, :], k40[..., :attention.ROWS_MAX_KEYS, :],
                               v40[..., :attention.ROWS_MAX_KEYS, :])
+
+
+def test_opcheck():
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 2, 1, 70, 70, 64))
+    seed = torch.zeros(1, dtype=torch.int64)
+    starts = torch.zeros(1, 70, dtype=torch.int32)
+    torch.library.opcheck(torch.ops.ipex_train.attention_flash_forward.default,
+                          (q, k, v, None, starts, 0.0, True, 0.125, seed))
+    out, lse = torch.ops.ipex_train.attention_flash_forward(q, k, v, None, None, 0.1, False, 0.125, seed)
+    args = (torch.randn(out.shape).to(BF16), q.detach(), k.detach(), v.detach(), out.detach(), lse, None, None, 0.1,
+            False, 0.125, seed)
+    torch.library.opcheck(torch.ops.ipex_train.attention_flash_backward.default, args)
