@@ -217,7 +217,8 @@ def test_what_it_does_not_cover_goes_to_torch():
     assert not attention.supports(q, k, v, attn_mask=mask)  # a learned bias needs its gradient
     assert not attention.supports(q, k, v, attn_mask=torch.zeros(33, 33, dtype=torch.bool), is_causal=True)
     assert not attention.supports(q, k[:, :3], v[:, :3], enable_gqa=True)  # 4 heads over 3
-    long_k = torch.zeros(2, 4, attention.MAX_KEYS + 1, 40, dtype=BF16)
+    # Past the row kernel's key cap, only head dims the tiled kernel takes (multiples of 16) are covered.
+    long_k = torch.zeros(2, 4, attention.ROWS_MAX_KEYS + 1, 40, dtype=BF16)
     assert not attention.supports(q, long_k, long_k)
     # Not covered: computed by torch, with torch's result.
     out = attention.scaled_dot_product_attention(q.float(), k.float(), v.float())

@@ -1,36 +1,48 @@
-"""bf16 attention for training on CPUs with bf16 units: bf16 matmuls (oneDNN) around one fused pass per score row.
+"""bf16 attention for training on CPUs with bf16 units, at any sequence length.
 
-Why
----
-At training shapes (sequence 128-512, head dim 64) torch's CPU attention in bf16 runs far below the bf16 matmul
-roof: at batch 8, 12 heads, sequence 128, forward + backward of torch's flash kernel took 17-20 ms while its six
-matmuls need ~2 ms at the speed oneDNN's bf16 batched matmul reaches on them; torch's math backend spends its time
-in the pointwise ops on the S x T tiles. Here the four backward and two forward products are bf16 ``matmul`` calls,
-and scale + mask + softmax (+ dropout) and the softmax (+ dropout) backward each run as one pass per row in C++
-(``kernels_cpu/src/attention_rows.h``), fp32 inside, bf16 in and out. See docs/attention.md for the measurements.
+Two kernels, picked per call by :func:`scaled_dot_product_attention`:
+
+- the *tiled* kernel (``kernels_cpu/src/attention_flash*.cpp``): tiles of 64 queries against tiles of 64 keys with
+  an online softmax (running max and sum in fp32, the log-sum-exp saved for backward); the products are bf16 dot
+  products with fp32 accumulation (AVX-512 BF16), tiles above a causal diagonal are skipped, and backward recomputes
+  the probabilities tile by tile, in parallel over (batch, key/value head, key tile) for dK/dV and (batch, head,
+  query tile) for dQ, with the same bits at any thread count. Memory per call grows with the sequence length.
+- the *row* kernel (``kernels_cpu/src/attention.cpp``): bf16 matmuls (oneDNN) around one fused pass per score row;
+  it keeps the S x T probabilities, so it only takes short key sequences (:data:`ROWS_MAX_KEYS`), and it is used
+  below :data:`TILES_FROM_KEYS` keys (causal: :data:`CAUSAL_TILES_FROM_KEYS`), where it measured faster.
 
 :func:`scaled_dot_product_attention` has the signature of ``torch.nn.functional.scaled_dot_product_attention`` and
-falls back to it for what it does not cover (:func:`supports`). The ``bf16`` native compute policy of
-``ipex_train.optimize`` routes the model's attention calls here (``ipex_train.compute_policy``).
+falls back to it for what it does not cover (:func:`supports`). :func:`packed_attention` computes causal attention
+within each of several documents packed into one row (cumulative lengths or position ids restarting at 0, as
+transformers' ``DataCollatorWithFlattening`` makes them). The ``bf16`` native compute policy of
+``ipex_train.optimize`` routes the model's attention calls here (``ipex_train.compute_policy``);
+``ipex_train.integrations.hf_attention`` registers it with transformers as ``attn_implementation="ipex_train"``.
 
 Dropout masks are drawn from a seed taken from torch's default CPU generator, so ``torch.manual_seed`` makes them
-reproducible (and activation checkpointing, which restores the generator, recomputes the same ones); they differ
-from the masks torch's own attention would draw.
+reproducible (and activation checkpointing, which restores the generator, recomputes the same ones); both kernels
+draw the same mask for the same seed; it differs from the masks torch's own attention would draw.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
+from ..base import ops as _ops
 from . import _op
+from ._packed import attend_causal, document_starts, packed_attention
 
-__all__ = ["scaled_dot_product_attention", "supports", "MAX_KEYS"]
+__all__ = ["scaled_dot_product_attention", "packed_attention", "attend_causal", "document_starts", "supports",
+           "ROWS_MAX_KEYS", "TILES_FROM_KEYS", "CAUSAL_TILES_FROM_KEYS"]
 
-# Longest key sequence routed here: the op keeps the S x T probabilities (bf16, twice with dropout) for backward,
-# where torch's flash kernel keeps O(S) per row; at 512 it was still 1.7x faster than torch's bf16 flash attention.
-MAX_KEYS = 1024
+# Longest key sequence the row kernel takes: it keeps the S x T probabilities (bf16, twice with dropout).
+ROWS_MAX_KEYS = 1024
+# Calls with fewer keys than this (causal: CAUSAL_TILES_FROM_KEYS) go to the row kernel, which measured faster there
+# (docs/attention.md); longer ones go to the tiled kernel.
+TILES_FROM_KEYS = 1024
+CAUSAL_TILES_FROM_KEYS = 512
 
 
 def _mask_ok(mask, query, key) -> bool:
@@ -49,9 +61,11 @@ def supports(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
              enable_gqa=False) -> bool:
     """Whether :func:`scaled_dot_product_attention` computes this call itself (else it calls torch's).
 
-    Covered: 4-D bf16 CPU query/key/value, key sequences up to :data:`MAX_KEYS`, boolean or additive (fp32/bf16)
-    masks broadcastable to (batch, heads, query, key) that do not require grad, ``is_causal`` (without a mask, as
-    torch), dropout, and grouped-query attention (``enable_gqa=True``, query heads a multiple of key/value heads).
+    Covered: 4-D bf16 CPU query/key/value, boolean or additive (fp32/bf16) masks broadcastable to (batch, heads,
+    query, key) that do not require grad, ``is_causal`` (without a mask, as torch), dropout, and grouped-query
+    attention (``enable_gqa=True``, query heads a multiple of key/value heads). Key sequences of any length where the
+    tiled kernel runs (head dims multiples of 16 up to 256, a CPU with AVX-512 BF16), else up to
+    :data:`ROWS_MAX_KEYS`.
     """
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.dim() == 4
@@ -59,13 +73,46 @@ def supports(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
         return False
     b, hq, s, d = query.shape
     if (key.shape[0] != b or value.shape[0] != b or key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]
-            or key.shape[3] != d or key.shape[2] > MAX_KEYS or min(s, key.shape[2], d) == 0):
+            or key.shape[3] != d or min(s, key.shape[2], d, value.shape[3]) == 0):
+        return False
+    if key.shape[2] > ROWS_MAX_KEYS and not _tiles_run(query, value):
         return False
     if key.shape[1] != hq and not (enable_gqa and key.shape[1] > 0 and hq % key.shape[1] == 0):
         return False
     if is_causal and attn_mask is not None:
         return False  # torch raises for this; let it
     return 0.0 <= dropout_p < 1.0 and _mask_ok(attn_mask, query, key)
+
+
+def _tiles_fit(query, value) -> bool:
+    d, dv = query.shape[-1], value.shape[-1]
+    return d % 16 == 0 and dv % 16 == 0 and 0 < d <= 256 and 0 < dv <= 256
+
+
+@functools.cache
+def _has_bf16_dot() -> bool:
+    return _ops.cpu_features().get("avx512_bf16", False)
+
+
+@torch.compiler.assume_constant_result
+def _bf16_dot_in_use() -> bool:
+    # A constant to torch.compile (the kernel variant is a process-wide setting, read outside the graph).
+    return _has_bf16_dot() and _ops.kernel_variant() == "avx512"
+
+
+def _tiles_run(query, value) -> bool:
+    """Whether the tiled kernel runs this call at speed (its portable build is for tests and CPUs without bf16)."""
+    return _tiles_fit(query, value) and _bf16_dot_in_use()
+
+
+def _use_tiles(query, key, value, is_causal: bool) -> bool:
+    return key.shape[2] >= (CAUSAL_TILES_FROM_KEYS if is_causal else TILES_FROM_KEYS) and _tiles_run(query, value)
+
+
+def _seed(dropout_p: float) -> torch.Tensor:
+    if dropout_p > 0.0:
+        return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    return torch.zeros(1, dtype=torch.int64)
 
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:
@@ -87,13 +134,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    if dropout_p > 0.0:
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    else:
-        seed = torch.zeros(1, dtype=torch.int64)
+    seed = _seed(dropout_p)
     mask = None if attn_mask is None else _additive(attn_mask)
     # Contiguous before the op, not inside it: the op saves its inputs, and the kernel copied Hugging Face's
     # transposed (batch, seq, heads, dim) views once in forward and again in backward. The copies replace the
     # views' base (the projections' output) in what autograd keeps, so memory stays the same.
-    return _op.forward(query.contiguous(), key.contiguous(), value.contiguous(), mask, float(dropout_p),
-                       bool(is_causal), float(scale), seed)
+    q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
+    if _use_tiles(query, key, value, is_causal):
+        return _op.flash_forward(q, k, v, mask, None, float(dropout_p), bool(is_causal), float(scale), seed)
+    return _op.forward(q, k, v, mask, float(dropout_p), bool(is_causal), float(scale), seed)

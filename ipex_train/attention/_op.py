@@ -49,3 +49,52 @@ torch.library.register_autograd(_FORWARD, _backward, setup_context=_setup_contex
 def forward(query, key, value, attn_mask, dropout_p: float, is_causal: bool, scale: float, seed):
     """The attention output of ``torch.ops.ipex_train.attention_forward`` (differentiable in query, key, value)."""
     return torch.ops.ipex_train.attention_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, seed)[0]
+
+
+# The tiled kernel (kernels_cpu/src/attention_flash.cpp): saves the output and one log-sum-exp per row, not the
+# probabilities.
+_FLASH_FORWARD = "ipex_train::attention_flash_forward"
+_FLASH_BACKWARD = "ipex_train::attention_flash_backward"
+
+
+@torch.library.register_fake(_FLASH_FORWARD)
+def _flash_forward_fake(query, key, value, attn_mask, doc_start, dropout_p, is_causal, scale, seed):
+    b, hq, s, _ = query.shape
+    return query.new_empty((b, hq, s, value.shape[-1])), query.new_empty((b, hq, s), dtype=torch.float32)
+
+
+@torch.library.register_fake(_FLASH_BACKWARD)
+def _flash_backward_fake(grad_out, query, key, value, out, lse, attn_mask, doc_start, dropout_p, is_causal, scale,
+                         seed):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _flash_setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, doc_start, dropout_p, is_causal, scale, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, doc_start, seed)
+    ctx.dropout_p = dropout_p
+    ctx.is_causal = is_causal
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _flash_backward(ctx, grad_out, grad_lse):
+    if grad_out is None:
+        return (None,) * 9
+    query, key, value, out, lse, attn_mask, doc_start, seed = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ipex_train.attention_flash_backward(grad_out, query, key, value, out, lse, attn_mask,
+                                                               doc_start, ctx.dropout_p, ctx.is_causal, ctx.scale,
+                                                               seed)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+torch.library.register_autograd(_FLASH_FORWARD, _flash_backward, setup_context=_flash_setup_context)
+
+
+def flash_forward(query, key, value, attn_mask, doc_start, dropout_p: float, is_causal: bool, scale: float, seed):
+    """The attention output of ``torch.ops.ipex_train.attention_flash_forward`` (differentiable in query, key,
+    value): additive fp32 mask or None, document starts (int32 (batch, seq)) or None."""
+    return torch.ops.ipex_train.attention_flash_forward(query, key, value, attn_mask, doc_start, dropout_p, is_causal,
+                                                        scale, seed)[0]

@@ -1,0 +1,126 @@
+// Part of attention_flash_tiles.h, included there inside its namespaces: the 512-bit row passes (FLASH_DPBF16).
+#pragma once
+
+#ifdef FLASH_DPBF16
+// ---- 512-bit row passes (the compiler left the portable ones partly scalar) -------------------------------------
+inline __m512 vexp(__m512 x) {  // fexp on 16 lanes (fused multiply-adds: not the portable build's bits)
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  t = _mm512_max_ps(t, _mm512_set1_ps(-127.0f));  // NaN -> -127 (max returns its second operand)
+  t = _mm512_min_ps(t, _mm512_set1_ps(127.0f));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 shifted = _mm512_add_ps(t, magic);
+  const __m512 n = _mm512_sub_ps(shifted, magic);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 poly = _mm512_set1_ps(1.38888889e-3f);
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(8.33333333e-3f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(4.16666667e-2f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.66666667e-1f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.5f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
+  const __m512i n_bits = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_castps_si512(magic));
+  const __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(n_bits, _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(poly, _mm512_castsi512_ps(pow2));
+}
+
+inline __m512i vfmix32(__m512i h) {
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int32_t>(0x85EBCA6Bu)));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int32_t>(0xC2B2AE35u)));
+  return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+}
+
+// Dropout keep-scale of 16 elements: columns `column` (lanes) under row keys key0, key1 (lanes).
+inline __m512 vkeep(const Args& a, __m512i column, __m512i key0, __m512i key1) {
+  const __m512i h = vfmix32(_mm512_add_epi32(vfmix32(_mm512_xor_si512(column, key0)), key1));
+  const __mmask16 kept = _mm512_cmp_epu32_mask(_mm512_srli_epi32(h, 8), _mm512_set1_epi32(static_cast<int32_t>(
+                                               a.drop_threshold)), _MM_CMPINT_NLT);
+  return _mm512_maskz_mov_ps(kept, _mm512_set1_ps(a.drop_scale));
+}
+
+inline void store_bf16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+inline __m512i iota16() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+// Lanes [clo, chi) of the 16 columns from c0.
+inline __mmask16 range_mask(int64_t c0, int64_t clo, int64_t chi) {
+  const __m512i c = _mm512_add_epi32(iota16(), _mm512_set1_epi32(static_cast<int32_t>(c0)));
+  return _mm512_cmp_epi32_mask(c, _mm512_set1_epi32(static_cast<int32_t>(clo)), _MM_CMPINT_NLT) &
+         _mm512_cmp_epi32_mask(c, _mm512_set1_epi32(static_cast<int32_t>(chi)), _MM_CMPINT_LT);
+}
+
+// Scores of one tile row: scale, mask (read only inside [clo, chi)), -inf outside.
+inline void score_vectors(const Args& a, const float* sr, int64_t clo, int64_t chi, const float* mr, __m512* x) {
+  const __m512 scale = _mm512_set1_ps(a.scale), ninf = _mm512_set1_ps(-kInf);
+  for (int v = 0; v < kBN / 16; ++v) {
+    const __mmask16 k = range_mask(16 * v, clo, chi);
+    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * v), scale);
+    if (mr != nullptr) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(k, mr + 16 * v));
+    x[v] = _mm512_mask_blend_ps(k, ninf, s);
+  }
+}
+
+inline void forward_row(const Args& a, const QueryRows& q, int64_t r, int64_t j0, int64_t clo, int64_t chi,
+                        const float* mr, float* sr, uint16_t* pr, float* m, float* l, float* orow) {
+  __m512 x[kBN / 16];
+  score_vectors(a, sr, clo, chi, mr, x);
+  __m512 mx = x[0];
+  for (int v = 1; v < kBN / 16; ++v) mx = _mm512_max_ps(mx, x[v]);
+  const float m_new = maxf(*m, _mm512_reduce_max_ps(mx));
+  if (!(m_new > -kInf)) {  // no key yet
+    for (int v = 0; v < kBN / 16; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * v),
+                                                             _mm256_setzero_si256());
+    return;
+  }
+  const float alpha = fexp(*m - m_new);
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 sum = _mm512_setzero_ps();
+  const __m512i key0 = _mm512_set1_epi32(static_cast<int32_t>(q.key0[r]));
+  const __m512i key1 = _mm512_set1_epi32(static_cast<int32_t>(q.key1[r]));
+  for (int v = 0; v < kBN / 16; ++v) {
+    const __m512 e = vexp(_mm512_sub_ps(x[v], mv));
+    sum = _mm512_add_ps(sum, e);
+    if (a.dropout) {
+      const __m512i col = _mm512_add_epi32(iota16(), _mm512_set1_epi32(static_cast<int32_t>(j0 + 16 * v)));
+      store_bf16(pr + 16 * v, _mm512_mul_ps(e, vkeep(a, col, key0, key1)));
+    } else {
+      store_bf16(pr + 16 * v, e);
+    }
+  }
+  *l = *l * alpha + _mm512_reduce_add_ps(sum);
+  *m = m_new;
+  if (alpha != 1.0f) {
+    const __m512 av = _mm512_set1_ps(alpha);
+    for (int64_t c = 0; c < a.dv; c += 16) _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), av));
+  }
+}
+
+inline void transposed_row(const Args& a, const QueryRows& q, int64_t bi, int64_t h, int64_t key, float* st,
+                           const float* dpt, uint16_t* pt, uint16_t* dst) {
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  if (a.mask) {
+    for (int64_t m = 0; m < q.rows; ++m) st[m] = st[m] * a.scale + mask_row(a, bi, h, q.i0 + m)[key];
+  } else {
+    for (int v = 0; v < kBM / 16; ++v) _mm512_storeu_ps(st + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(st + 16 * v), scale));
+  }
+  const __m512i kv = _mm512_set1_epi32(static_cast<int32_t>(key));
+  for (int v = 0; v < kBM / 16; ++v) {
+    const __m512i lo = _mm512_loadu_si512(q.lo + 16 * v), hi = _mm512_loadu_si512(q.hi + 16 * v);
+    const __mmask16 valid = _mm512_cmp_epi32_mask(kv, lo, _MM_CMPINT_NLT) & _mm512_cmp_epi32_mask(kv, hi, _MM_CMPINT_LT);
+    const __m512 p = _mm512_maskz_mov_ps(valid, vexp(_mm512_sub_ps(_mm512_loadu_ps(st + 16 * v),
+                                                                    _mm512_loadu_ps(q.lse + 16 * v))));
+    __m512 dp = _mm512_loadu_ps(dpt + 16 * v), pk = p;
+    if (a.dropout) {
+      const __m512 keep = vkeep(a, kv, _mm512_loadu_si512(q.key0 + 16 * v), _mm512_loadu_si512(q.key1 + 16 * v));
+      dp = _mm512_mul_ps(dp, keep);
+      pk = _mm512_mul_ps(p, keep);
+    }
+    store_bf16(pt + 16 * v, pk);
+    store_bf16(dst + 16 * v, _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(dp, _mm512_loadu_ps(q.delta + 16 * v))),
+                                           scale));
+  }
+}
+#endif  // FLASH_DPBF16

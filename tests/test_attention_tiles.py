@@ -1,0 +1,249 @@
+"""The tiled attention kernel (ipex_train.attention, torch.ops.ipex_train.attention_flash_*) against fp32 torch
+attention, forward and the three gradients, at lengths around the tile size and long ones; its bits at 1, 2 and 3
+threads; its dropout mask against the row kernel's.
+
+Tolerances: the products take bf16 operands with fp32 accumulation, the softmax is fp32, and the probabilities and
+dS are rounded to bf16 once each before their products (as in torch's bf16 attention). Against fp32 SDPA on the same
+bf16-valued inputs every output and gradient is within 2% of the reference's largest magnitude, plus 1e-3 absolute
+for gradients that are exactly 0 in fp32 (a single key); measured up to 0.7%. A wrong scale, mask, skipped tile or
+GQA head is off by far more.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ipex_train.attention import _op
+from ipex_train.base import attention
+from ipex_train.base import ops as _ops
+
+BF16 = torch.bfloat16
+TOL = 2e-2
+
+pytestmark = pytest.mark.skipif(not _ops.cpu_features().get("avx512_bf16", False),
+                                reason="the tiled kernel runs at speed only with AVX-512 BF16 (tested below via the "
+                                       "portable build too)")
+
+
+def _qkv(b, hq, hk, s, t, d, dv=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, hq, s, d, generator=g).to(BF16), torch.randn(b, hk, t, d, generator=g).to(BF16),
+            torch.randn(b, hk, t, dv or d, generator=g).to(BF16))
+
+
+def _flash(q, k, v, mask=None, starts=None, p=0.0, causal=False, seed=0):
+    return _op.flash_forward(q, k, v, mask, starts, p, causal, 1.0 / math.sqrt(q.shape[-1]),
+                             torch.tensor([seed], dtype=torch.int64))
+
+
+def _grads(fn, q, k, v, g):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(g.to(out.dtype))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _reference(q, k, v, g, **kw):
+    rep = q.shape[1] // k.shape[1]
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), **kw)
+
+    return _grads(fn, q.float(), k.float(), v.float(), g)
+
+
+def _close(got, want):
+    for a, b in zip(got, want):
+        err = (a.float() - b).abs().max().item()
+        assert err <= TOL * b.abs().max().item() + 1e-3, (err, b.abs().max().item())
+
+
+@pytest.mark.parametrize("s", [1, 17, 64, 1024, 1025])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lengths_against_fp32(s, causal):
+    q, k, v = _qkv(1, 2, 2, s, s, 64, seed=s)
+    g = torch.randn(1, 2, s, 64)
+    got = _grads(lambda q, k, v: _flash(q, k, v, causal=causal), q, k, v, g)
+    _close(got, _reference(q, k, v, g, is_causal=causal))
+
+
+def test_long_causal_sequence_against_fp32():
+    q, k, v = _qkv(1, 1, 1, 4097, 4097, 64, seed=1)
+    g = torch.randn(1, 1, 4097, 64)
+    got = _grads(lambda q, k, v: _flash(q, k, v, causal=True), q, k, v, g)
+    _close(got, _reference(q, k, v, g, is_causal=True))
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128])
+def test_head_dims_and_grouped_queries(d):
+    q, k, v = _qkv(2, 4, 2, 70, 70, d, seed=d)
+    g = torch.randn(2, 4, 70, d)
+    got = _grads(lambda q, k, v: _flash(q, k, v, causal=True), q, k, v, g)
+    _close(got, _reference(q, k, v, g, is_causal=True))
+    q, k, v = _qkv(1, 4, 1, 40, 150, d, dv=32, seed=d + 1)  # cross attention, one key/value head, dv != d
+    g = torch.randn(1, 4, 40, 32)
+    got = _grads(lambda q, k, v: _flash(q, k, v), q, k, v, g)
+    _close(got, _reference(q, k, v, g))
+
+
+def test_causal_with_fewer_queries_than_keys_is_top_left_aligned():
+    q, k, v = _qkv(1, 2, 2, 70, 200, 64)
+    g = torch.randn(1, 2, 70, 64)
+    got = _grads(lambda q, k, v: _flash(q, k, v, causal=True), q, k, v, g)
+    _close(got, _reference(q, k, v, g, is_causal=True))
+
+
+def test_boolean_and_additive_masks():
+    q, k, v = _qkv(2, 2, 2, 90, 130, 64)
+    g = torch.randn(2, 2, 90, 64)
+    keep = torch.rand(2, 1, 90, 130) > 0.3
+    keep[..., 0] = True
+    additive = torch.zeros(keep.shape).masked_fill(~keep, -math.inf) + torch.randn(keep.shape)
+    got = _grads(lambda q, k, v: _flash(q, k, v, mask=additive), q, k, v, g)
+    _close(got, _reference(q, k, v, g, attn_mask=additive))
+    # Through the public function, enough keys for the tiled kernel: a boolean key padding mask.
+    t = attention.TILES_FROM_KEYS + 6
+    q, k, v = _qkv(2, 2, 2, 40, t, 64, seed=3)
+    g = torch.randn(2, 2, 40, 64)
+    pad = torch.ones(2, 1, 1, t, dtype=torch.bool)
+    pad[1, ..., 450:] = False
+    got = _grads(lambda q, k, v: attention.scaled_dot_product_attention(q, k, v, attn_mask=pad), q, k, v, g)
+    _close(got, _reference(q, k, v, g, attn_mask=pad))
+
+
+def test_rows_without_keys_give_zeros():
+    q, k, v = _qkv(1, 1, 1, 80, 80, 64)
+    keep = torch.ones(1, 1, 80, 80, dtype=torch.bool)
+    keep[0, 0, 70] = False
+    mask = torch.zeros(keep.shape).masked_fill(~keep, -math.inf)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = _flash(q, k, v, mask=mask, causal=True)
+    assert torch.equal(out[0, 0, 70], torch.zeros(64, dtype=BF16))
+    out.float().sum().backward()
+    assert all(torch.isfinite(x.grad.float()).all() for x in (q, k, v))
+
+
+def test_same_bits_at_any_thread_count():
+    q, k, v = _qkv(1, 4, 2, 300, 300, 64)
+    g = torch.randn(1, 4, 300, 64)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(_grads(lambda q, k, v: _flash(q, k, v, causal=True, p=0.1, seed=5), q, k, v, g))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_dropout_draws_the_row_kernels_mask():
+    # With value = identity the output is the dropped probabilities: both kernels drop the same elements.
+    q, k, _ = _qkv(1, 2, 2, 48, 48, 64)
+    eye = torch.eye(48).to(BF16).expand(1, 2, 48, 48)
+    seed = torch.tensor([7], dtype=torch.int64)
+    tiles = _op.flash_forward(q, k, eye, None, None, 0.3, False, 0.125, seed)
+    rows = _op.forward(q, k, eye, None, 0.3, False, 0.125, seed)
+    assert torch.equal(tiles == 0, rows == 0)
+    kept = (rows != 0).float().mean().item()
+    assert abs(kept - 0.7) < 0.03
+    torch.testing.assert_close(tiles, rows, rtol=2**-7, atol=2e-3)
+
+
+def test_dropout_gradients_match_a_reference_with_the_same_mask():
+    p = 0.2
+    q, k, v = _qkv(1, 2, 2, 80, 80, 64)
+    seed = torch.tensor([3], dtype=torch.int64)
+    eye = torch.eye(80).to(BF16).expand(1, 2, 80, 80).contiguous()
+    # With value = identity the output is the dropped probabilities: nonzero where kept (and not causally masked).
+    keep = _op.flash_forward(q, k, eye, None, None, p, True, 0.125, seed) != 0
+    causal = torch.ones(80, 80, dtype=torch.bool).tril()
+    keep = keep | ~causal  # the masked elements are 0 for another reason
+
+    def ref(q, k, v):
+        probs = torch.softmax((q @ k.transpose(-1, -2) / 8).masked_fill(~causal, -math.inf), -1)
+        return (probs * keep / (1 - p)) @ v
+
+    g = torch.randn(1, 2, 80, 64)
+    got = _grads(lambda q, k, v: _op.flash_forward(q, k, v, None, None, p, True, 0.125, seed), q, k, v, g)
+    _close(got, _grads(ref, q.float(), k.float(), v.float(), g))
+
+
+def test_portable_build_agrees(variant):
+    q, k, v = _qkv(1, 2, 1, 70, 70, 32)
+    g = torch.randn(1, 2, 70, 32)
+    got = _grads(lambda q, k, v: _flash(q, k, v, causal=True, p=0.1, seed=2), q, k, v, g)
+    _ops.set_kernel_variant("scalar")  # the variant fixture restores the one in effect
+    portable = _grads(lambda q, k, v: _flash(q, k, v, causal=True, p=0.1, seed=2), q, k, v, g)
+    assert torch.equal(got[0] == 0, portable[0] == 0)
+    for a, b in zip(got, portable):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_torch_compile_full_graph():
+    s = attention.CAUSAL_TILES_FROM_KEYS + 8  # long enough for the tiled kernel
+    q, k, v = _qkv(1, 4, 2, s, s, 64)
+
+    def fn(q, k, v):
+        return attention.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(fn)(q, k, v).graph_break_count == 0
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    args = [x.detach().requires_grad_() for x in (q, k, v)]
+    eager = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = compiled(*args)
+    out.float().sum().backward()
+    fn(*eager).float().sum().backward()
+    assert torch.equal(out, fn(q, k, v))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(args, eager))
+
+
+def test_op_rejects_bad_inputs():
+    q, k, v = _qkv(1, 2, 2, 16, 16, 64)
+    seed = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        torch.ops.ipex_train.attention_flash_forward(q[..., :40], k[..., :40], v, None, None, 0.0, False, 1.0, seed)
+    with pytest.raises(TypeError, match="bfloat16"):
+        torch.ops.ipex_train.attention_flash_forward(q.float(), k, v, None, None, 0.0, False, 1.0, seed)
+    with pytest.raises(ValueError, match="dropout_p"):
+        torch.ops.ipex_train.attention_flash_forward(q, k, v, None, None, 1.0, False, 1.0, seed)
+    starts = torch.zeros(1, 16, dtype=torch.int32)
+    with pytest.raises(ValueError, match="is_causal"):
+        torch.ops.ipex_train.attention_flash_forward(q, k, v, None, starts, 0.0, False, 1.0, seed)
+    starts[0, 5] = 3  # then decreases
+    with pytest.raises(ValueError, match="not decrease"):
+        torch.ops.ipex_train.attention_flash_forward(q, k, v, None, starts, 0.0, True, 1.0, seed)
+
+
+def test_routing_between_the_kernels(monkeypatch):
+    calls = []
+    for name in ("forward", "flash_forward"):
+        original = getattr(_op, name)
+        monkeypatch.setattr(_op, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    for s, causal in ((attention.CAUSAL_TILES_FROM_KEYS - 1, True), (attention.CAUSAL_TILES_FROM_KEYS, True),
+                      (attention.TILES_FROM_KEYS - 1, False), (attention.TILES_FROM_KEYS, False)):
+        q, k, v = _qkv(1, 1, 1, 16, s, 64)
+        attention.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert calls == ["forward", "flash_forward", "forward", "flash_forward"]
+    # Long key sequences are covered (no cap); head dims the tiles cannot take stay with the row kernel up to its cap.
+    q, k, v = _qkv(1, 1, 1, 8, 3000, 64)
+    assert attention.supports(q, k, v)
+    q40, k40, v40 = _qkv(1, 1, 1, 8, attention.ROWS_MAX_KEYS + 1, 40)
+    assert not attention.supports(q40, k40, v40)
+    assert attention.supports(q40[..., :attention.ROWS_MAX_KEYS, :], k40[..., :attention.ROWS_MAX_KEYS, :],
+                              v40[..., :attention.ROWS_MAX_KEYS, :])
+
+
+def test_opcheck():
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 2, 1, 70, 70, 64))
+    seed = torch.zeros(1, dtype=torch.int64)
+    starts = torch.zeros(1, 70, dtype=torch.int32)
+    torch.library.opcheck(torch.ops.ipex_train.attention_flash_forward.default,
+                          (q, k, v, None, starts, 0.0, True, 0.125, seed))
+    out, lse = torch.ops.ipex_train.attention_flash_forward(q, k, v, None, None, 0.1, False, 0.125, seed)
+    args = (torch.randn(out.shape).to(BF16), q.detach(), k.detach(), v.detach(), out.detach(), lse, None, None, 0.1,
+            False, 0.125, seed)
+    torch.library.opcheck(torch.ops.ipex_train.attention_flash_backward.default, args)
