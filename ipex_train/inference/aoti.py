@@ -12,15 +12,22 @@ Graph passes (graph_passes.py), on the captured graph before Inductor compiles i
 linears sharing their input fused into one GEMM (attention's Q/K/V), and attention's softmax written out so that
 Inductor keeps the attention matmuls as oneDNN GEMMs instead of its CPU flash attention kernel.
 
-Dynamic shapes: by default dim 0 (the batch) of every tensor input is marked torch.export.Dim.AUTO: it stays
-dynamic unless the model specialises it (a reshape to a fixed batch, or an example of size 1, which torch.export
+Dynamic shapes: by default dim 0 (the batch) of every tensor input is marked torch.export.Dim.AUTO, and dim 1 too
+(the sequence) of integer or bool inputs of rank 2 (token ids, attention masks): a dim stays dynamic unless the
+model specialises it (a reshape to a fixed batch, or an example of size 1, which torch.export
 always specialises). One exception, models with convolutions: they compile for the example's shapes, because
 Inductor pre-packs convolution weights for oneDNN only when the input shape is static; with a symbolic batch it
 packs fp32/bf16 weights at run time on every call, and int8 ones (torchao's x86 lowering) for no input shape, which
 oneDNN then re-orders when it runs (ResNet-50 batch 16, int8: 0.63-0.67x the static package in three processes,
 0.98x in a fourth; fp32/bf16: 0.96-0.97x). AOTIConfig(dynamic_dims=(0,)) asks for a dynamic batch there anyway.
-AOTIConfig.dynamic_dims=(0, 1) also frees the sequence dim of token inputs; AOTIConfig.dynamic_shapes is handed to
-torch.export as is when the automatic rule does not fit. The dims that ended up dynamic are logged at INFO.
+AOTIConfig.dynamic_dims applies one rule to every input; AOTIConfig.dynamic_shapes is handed to torch.export as is
+when the automatic rule does not fit. The dims that ended up dynamic, why, and the shapes the package takes are
+logged at INFO.
+
+Input checks (input_checks.py): every package refuses, in its compiled code, inputs of shapes, dtypes or strides it
+was not compiled for, with a RuntimeError naming the given and expected shapes (torch's package would return a
+wrong-shaped result or abort). Outputs: a model returning a container torch alone cannot rebuild (a transformers
+ModelOutput) is exported returning the tuple of its tensors, so the package loads with torch alone.
 
 Self-check: the package is loaded once after compiling and run on a copy of example_inputs against the model (cosine of
 each output >= 0.99: a miscompile check, not a precision one). A dynamic-shape package that fails it is
@@ -257,7 +264,8 @@ def _deployed(model: nn.Module, args: tuple, config: AOTIConfig):
     """The module export captures (a bf16 copy taking fp32 inputs, outputs flattened when torch alone could not
     rebuild them) and its eager outputs on ``args``, the reference of the package's self-check."""
     dtype = None if config.dtype == torch.float32 else config.dtype
-    deployed = _Deployed(copy.deepcopy(model).to(dtype) if dtype else model, dtype).eval()
+    deployed = _Deployed(copy.deepcopy(model).to(dtype) if dtype else model, dtype)
+    deployed.training = False  # the model is in eval already; .eval() recurses into int8 graphs, which refuse it
     with torch.no_grad():
         out = deployed(*args)
     if needs_flat_outputs(out):

@@ -116,7 +116,7 @@ class _Emitter:
         if isinstance(s, sympy.Symbol) and s not in self.bound:
             lo, hi = _range(s, self.var_to_range)
             self.bound[s] = (self.var(s), f"dim {d} of input {index}")
-            self.lines.append(f"    const int64_t {self.var(s)} = sz[{d}];")
+            self.lines.append(f"    {self.var(s)} = sz[{d}];")  # declared at the top: later inputs compare to it
             self.fail(index, f"sz[{d}] < {lo}", f'"dim {d} is " + std::to_string(sz[{d}]) + ", expected at least {lo}"')
             if hi is not None:
                 self.fail(index, f"sz[{d}] > {hi}",
@@ -166,7 +166,7 @@ class _Emitter:
             }}
             AOTI_NOINLINE static void __check_inputs_outputs(
                 AtenTensorHandle* input_handles, AtenTensorHandle* output_handles) {{
-            """ + "\n".join(self.lines) + "\n}\n"
+            """ + "".join(f"  int64_t {var} = 0;\n" for var, _ in self.bound.values()) + "\n".join(self.lines) + "\n}\n"
 
 
 @contextlib.contextmanager
