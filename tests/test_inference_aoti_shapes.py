@@ -114,6 +114,7 @@ def test_static_cnn_package_refuses_other_batches_naming_the_option(tmp_path, ca
         assert "AOTIConfig(dynamic_dims=(0,)) to serve other batch sizes" in message
     assert "dim 0 is 2, expected 4" in results[1][1] and "dim 2 is 9, expected 8" in results[3][1]
     assert results[4][0] == "error" and "its strides are (192, 1, 24, 3)" in results[4][1]
+    assert "the package was compiled for strides (192, 64, 8, 1)" in results[4][1]
     assert results[5][0] == "error" and "and dtype float64" in results[5][1] and "is not float32" in results[5][1]
 
 

@@ -104,12 +104,14 @@ class _Emitter:
         self.fail(index, "dev != aoti_torch_device_type_cpu()", '"it is not a CPU tensor"')
         for d, s in enumerate(size):
             self.dim(index, d, s)
+        layout = "(" + ", ".join(str(int(t)) if isinstance(t, (int, sympy.Integer)) else "*" for t in stride) + \
+            ("," if len(stride) == 1 else "") + ")"
         for d, t in enumerate(stride):
             want = self.value(t)
             if want is not None:
                 self.fail(index, f"sz[{d}] > 1 && st[{d}] != {want}",
-                          f'"its strides are " + ipx_tuple(st, ndim) + ", the package indexes dim {d} with stride " '
-                          f'+ std::to_string({want}) + " (pass a contiguous tensor)"')
+                          f'"its strides are " + ipx_tuple(st, ndim) + ", the package was compiled for strides '
+                          f'{layout}, the example\'s layout (x.contiguous() makes a contiguous copy)"')
         self.lines.append("  }")
 
     def dim(self, index: int, d: int, s) -> None:
