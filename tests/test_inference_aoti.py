@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+from aoti_helpers import call_fresh
 from int8_helpers import calibrated
 from torch import nn
 
@@ -125,11 +126,15 @@ def test_int8_conv_graph_defaults_to_static_shapes(tmp_path, caplog):
     assert inference.aoti.default_dynamic_dims(graph) == ()
     with caplog.at_level("INFO", logger="ipex_train"):
         path = inference.export(graph, x, backend="aoti", path=tmp_path / "int8.pt2")
-    assert "the model has convolutions: compiled for the example's shapes" in caplog.text
+    assert "dynamic input dims none (default for models with convolutions: static shapes" in caplog.text
     assert "dynamic input dims none" in caplog.text
-    (out,) = _run_fresh(path, [(x,)], tmp_path)
+    (status, out), (status3, message) = call_fresh(path, [(x,), (torch.randn(3, 3, 12, 12),)], tmp_path)
+    assert status == "ok"
     with torch.no_grad():
         assert _cos(out, model(x)) > 0.999
+    # another batch is refused by the checks compiled into the package, naming the option that serves it
+    assert status3 == "error" and "input 0 has shape (3, 3, 12, 12)" in message and "shape (2, 3, 12, 12)" in message
+    assert "AOTIConfig(dynamic_dims=(0,))" in message
     # The fp32 model has convolutions too; models without keep the dynamic batch, fp32 or int8.
     assert inference.aoti.default_dynamic_dims(model) == ()
     torch.manual_seed(0)

@@ -12,15 +12,22 @@ Graph passes (graph_passes.py), on the captured graph before Inductor compiles i
 linears sharing their input fused into one GEMM (attention's Q/K/V), and attention's softmax written out so that
 Inductor keeps the attention matmuls as oneDNN GEMMs instead of its CPU flash attention kernel.
 
-Dynamic shapes: by default dim 0 (the batch) of every tensor input is marked torch.export.Dim.AUTO: it stays
-dynamic unless the model specialises it (a reshape to a fixed batch, or an example of size 1, which torch.export
+Dynamic shapes: by default dim 0 (the batch) of every tensor input is marked torch.export.Dim.AUTO, and dim 1 too
+(the sequence) of integer or bool inputs of rank 2 (token ids, attention masks): a dim stays dynamic unless the
+model specialises it (a reshape to a fixed batch, or an example of size 1, which torch.export
 always specialises). One exception, models with convolutions: they compile for the example's shapes, because
 Inductor pre-packs convolution weights for oneDNN only when the input shape is static; with a symbolic batch it
 packs fp32/bf16 weights at run time on every call, and int8 ones (torchao's x86 lowering) for no input shape, which
 oneDNN then re-orders when it runs (ResNet-50 batch 16, int8: 0.63-0.67x the static package in three processes,
 0.98x in a fourth; fp32/bf16: 0.96-0.97x). AOTIConfig(dynamic_dims=(0,)) asks for a dynamic batch there anyway.
-AOTIConfig.dynamic_dims=(0, 1) also frees the sequence dim of token inputs; AOTIConfig.dynamic_shapes is handed to
-torch.export as is when the automatic rule does not fit. The dims that ended up dynamic are logged at INFO.
+AOTIConfig.dynamic_dims applies one rule to every input; AOTIConfig.dynamic_shapes is handed to torch.export as is
+when the automatic rule does not fit. The dims that ended up dynamic, why, and the shapes the package takes are
+logged at INFO.
+
+Input checks (input_checks.py): every package refuses, in its compiled code, inputs of shapes, dtypes or strides it
+was not compiled for, with a RuntimeError naming the given and expected shapes (torch's package would return a
+wrong-shaped result or abort). Outputs: a model returning a container torch alone cannot rebuild (a transformers
+ModelOutput) is exported returning the tuple of its tensors, so the package loads with torch alone.
 
 Self-check: the package is loaded once after compiling and run on a copy of example_inputs against the model (cosine of
 each output >= 0.99: a miscompile check, not a precision one). A dynamic-shape package that fails it is
@@ -29,8 +36,8 @@ for a dynamic batch); a static one that fails raises RuntimeError.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-import dataclasses
 import logging
 import os
 import traceback
@@ -39,8 +46,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
 
+from . import input_checks
 from .graph_passes import fuse_shared_input_linears, write_out_attention_softmax
 
 _log = logging.getLogger("ipex_train")
@@ -56,8 +64,9 @@ class AOTIConfig:
         dtype: torch.float32 (default) or torch.bfloat16 (weights and compute in bf16; fp32 inputs are cast inside).
             Must stay float32 for an int8 graph from quantization.convert(backend="pt2e"), which fixes its dtypes.
         dynamic_dims: dims marked torch.export.Dim.AUTO on every tensor input ((0,): batch; (0, 1): batch and
-            sequence of token ids; (): fully static). None (default): (0,), except () for a model with
-            convolutions (see the module docstring: their weights are pre-packed only for static shapes).
+            sequence of token ids; (): fully static). None (default): per input, (0, 1) for integer or bool
+            tensors of rank 2 (token ids, attention masks), (0,) for other tensors, and () everywhere for a model
+            with convolutions (see the module docstring: their weights are pre-packed only for static shapes).
         dynamic_shapes: handed to torch.export.export as is (overrides dynamic_dims).
         strict: torch.export's strict (TorchDynamo) capture; False (torch's default) traces more Python.
         freezing: Inductor's freezing (weights as constants, pre-packed for oneDNN); keep it on for inference.
@@ -68,6 +77,10 @@ class AOTIConfig:
             exp / sum (graph_passes.write_out_attention_softmax), so that Inductor keeps the two matmuls as oneDNN
             batched GEMMs instead of replacing the block with its CPU flash attention kernel (slower at BERT
             sizes). False leaves the softmax to Inductor.
+        check_inputs: compile input checks into the package (input_checks.py): a call with shapes, dtypes or
+            strides the package was not compiled for raises RuntimeError naming the given and expected shapes
+            (without them torch's package returns a wrong-shaped result or aborts the process). Keep it on;
+            False exists to measure what the checks cost.
     """
 
     dtype: torch.dtype = torch.float32
@@ -78,6 +91,7 @@ class AOTIConfig:
     inductor_configs: dict = field(default_factory=dict)
     fuse_linears: bool = True
     write_out_softmax: bool = True
+    check_inputs: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -85,7 +99,7 @@ class AOTIConfig:
         dims = self.dynamic_dims
         if dims is not None and (not isinstance(dims, tuple) or not all(type(d) is int and d >= 0 for d in dims)):
             raise TypeError(f"AOTIConfig: dynamic_dims must be None or a tuple of non-negative ints, got {dims!r}")
-        for name in ("strict", "freezing", "fuse_linears", "write_out_softmax"):
+        for name in ("strict", "freezing", "fuse_linears", "write_out_softmax", "check_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"AOTIConfig: {name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.inductor_configs, dict):
@@ -101,22 +115,56 @@ def dynamic_shapes_for(args: tuple, dims: tuple):
                     tuple(args))
 
 
-class _CastInputs(nn.Module):
-    """Runs a bf16 copy of the model on inputs cast to bf16 (as the TorchScript bf16 export takes fp32 inputs)."""
+def default_dynamic_shapes(model: nn.Module, args: tuple):
+    """The dynamic_shapes AOTIConfig(dynamic_dims=None) gives torch.export: batch and sequence of integer or bool
+    inputs of rank 2 (token ids, attention masks), the batch of other tensors; every shape static for a model
+    with convolutions (default_dynamic_dims)."""
+    if not default_dynamic_dims(model):
+        return dynamic_shapes_for(args, ())
+    auto = torch.export.Dim.AUTO
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
+    def dims(t):
+        if not isinstance(t, torch.Tensor):
+            return None
+        token_like = t.dim() == 2 and not t.is_floating_point() and not t.is_complex()
+        return {d: auto for d in ((0, 1) if token_like else (0,)) if d < t.dim()}
+    return tree_map(dims, tuple(args))
+
+
+# Output containers a package's output spec can hold and still load with torch alone.
+_BUILTIN_OUTPUTS = (tuple, list, dict)
+
+
+def needs_flat_outputs(out) -> bool:
+    """Whether ``out`` holds a container type torch alone cannot rebuild when it loads a package (a transformers
+    ModelOutput, a namedtuple, a dataclass registered with pytree)."""
+    if isinstance(out, torch.Tensor) or out is None:
+        return False
+    if type(out) not in _BUILTIN_OUTPUTS:
+        return True
+    return any(needs_flat_outputs(v) for v in (out.values() if isinstance(out, dict) else out))
+
+
+class _Deployed(nn.Module):
+    """What export captures: ``model`` on inputs cast to ``dtype`` (a bf16 copy takes fp32 inputs, as the
+    TorchScript bf16 export does), its outputs flattened to a tuple of tensors when ``flatten``."""
+
+    def __init__(self, model: nn.Module, dtype=None, flatten=False):
         super().__init__()
-        self.model, self.dtype = model, dtype
+        self.model, self.dtype, self.flatten = model, dtype, flatten
 
     def forward(self, *args):
-        return self.model(*tree_map(lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor)
-                                    and t.is_floating_point() else t, args))
+        if self.dtype is not None:
+            args = tree_map(lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                            else t, args)
+        out = self.model(*args)
+        return tuple(tree_leaves(out)) if self.flatten else out
 
 
 def capture(model: nn.Module, args: tuple, *, dynamic_shapes=None, dynamic_dims=(0,), strict=False):
     """torch.export.export of ``model`` (eval, no_grad) on ``args``; RuntimeError naming what failed."""
     shapes = dynamic_shapes if dynamic_shapes is not None else dynamic_shapes_for(args, dynamic_dims)
-    if isinstance(model, _CastInputs):
+    if isinstance(model, _Deployed):
         shapes = (shapes,)  # its forward(*args) takes the inputs as one tuple argument
     try:
         with torch.no_grad():
@@ -136,10 +184,11 @@ def _model_frame(error: BaseException) -> str:
     return f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
 
 
-def apply_passes(ep, args, config: AOTIConfig, *, dynamic_dims=(0,)):
+def apply_passes(ep, args, config: AOTIConfig, *, dynamic_dims=(0,), dynamic_shapes=None):
     """``ep`` after the graph passes ``config`` asks for (graph_passes: linears sharing their input fused,
-    attention softmax written out), re-captured with the same dynamic shapes so that Inductor gets an
-    ExportedProgram; ``ep`` itself when no pass changed anything."""
+    attention softmax written out), re-captured with the same dynamic shapes (``dynamic_shapes``, else
+    config.dynamic_shapes, else ``dynamic_dims`` on every input) so that Inductor gets an ExportedProgram; ``ep``
+    itself when no pass changed anything."""
     gm = ep.module()
     fused = fuse_shared_input_linears(gm) if config.fuse_linears else {}
     softmaxes = write_out_attention_softmax(gm) if config.write_out_softmax else 0
@@ -147,8 +196,9 @@ def apply_passes(ep, args, config: AOTIConfig, *, dynamic_dims=(0,)):
         return ep
     _log.info("ipex_train.inference.export(backend='aoti'): %d groups of linears sharing their input fused, %d "
               "attention softmaxes written out", len(fused), softmaxes)
-    # ep.module() takes the inputs positionally (also for _CastInputs, whose forward packs them in one tuple)
-    shapes = config.dynamic_shapes if config.dynamic_shapes is not None else dynamic_shapes_for(args, dynamic_dims)
+    # ep.module() takes the inputs positionally (also for _Deployed, whose forward packs them in one tuple)
+    shapes = dynamic_shapes if dynamic_shapes is not None else config.dynamic_shapes \
+        if config.dynamic_shapes is not None else dynamic_shapes_for(args, dynamic_dims)
     with torch.no_grad():
         return torch.export.export(gm, tuple(args), dynamic_shapes=shapes, strict=False)
 
@@ -183,24 +233,16 @@ def export_package(model: nn.Module, args: tuple, path, config: AOTIConfig) -> s
     if config.dtype != torch.float32 and isinstance(model, torch.fx.GraphModule) and _has_quantize_ops(model):
         raise ValueError("config.dtype must stay torch.float32 for an int8 graph (its quantize/dequantize ops fix "
                          "every dtype)")
-    if config.dtype != torch.float32:
-        model = _CastInputs(copy.deepcopy(model).to(config.dtype), config.dtype).eval()
-    dynamic_dims = config.dynamic_dims
-    if dynamic_dims is None:
-        dynamic_dims = default_dynamic_dims(model)
-        if not dynamic_dims and config.dynamic_shapes is None:
-            _log.info("ipex_train.inference.export(backend='aoti'): the model has convolutions: compiled for the "
-                      "example's shapes (Inductor pre-packs their weights only for static shapes); "
-                      "AOTIConfig(dynamic_dims=(0,)) for a dynamic batch")
-    ep = capture(model, args, dynamic_shapes=config.dynamic_shapes, dynamic_dims=dynamic_dims, strict=config.strict)
-    ep = apply_passes(ep, args, config, dynamic_dims=dynamic_dims)
-    keep_inputs_unwritten(ep)
+    model, reference = _deployed(model, args, config)
+    shapes, why = _dynamic_shapes(model, args, config)
+    ep = _captured(model, args, config, shapes)
     dims = dynamic_dims_of(ep)
-    _log.info("ipex_train.inference.export(backend='aoti'): dynamic input dims %s", ", ".join(dims) or "none")
-    options = {"freezing": config.freezing, **config.inductor_configs}
-    with torch.no_grad():
-        path = torch._inductor.aoti_compile_and_package(ep, package_path=os.fspath(path), inductor_configs=options)
-    bad = _self_check(path, model, args)
+    inputs = input_checks.expected_shapes(ep)
+    _log.info("ipex_train.inference.export(backend='aoti'): dynamic input dims %s (%s); the package takes %s; %s",
+              ", ".join(dims) or "none", why, inputs, "other shapes raise RuntimeError" if config.check_inputs
+              else "input checks off (AOTIConfig(check_inputs=False)): other shapes are not refused")
+    path = _compile(ep, os.fspath(path), config, _hint(dims, why), inputs)
+    bad = _self_check(path, reference, args)
     if bad and dims:
         # Seen with torch 2.14.1: int8 convolutions with one input channel compiled for a dynamic batch write
         # channels-last output where the rest of the code reads contiguous; static shapes compile correctly.
@@ -208,15 +250,77 @@ def export_package(model: nn.Module, args: tuple, path, config: AOTIConfig) -> s
                f"{', '.join(dims)} does not reproduce the model ({bad}); recompiling with static shapes")
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         _log.warning(msg)
-        ep = capture(model, args, dynamic_shapes=dynamic_shapes_for(args, ()), strict=config.strict)
-        ep = apply_passes(ep, args, dataclasses.replace(config, dynamic_shapes=None), dynamic_dims=())
-        keep_inputs_unwritten(ep)
-        with torch.no_grad():
-            path = torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=options)
-        bad = _self_check(path, model, args)
+        ep = _captured(model, args, config, dynamic_shapes_for(args, ()))
+        why = "recompiled static: the dynamic package did not reproduce the model"
+        path = _compile(ep, path, config, _hint([], why), input_checks.expected_shapes(ep))
+        bad = _self_check(path, reference, args)
     if bad:
         raise RuntimeError(f"ipex_train.inference.export(backend='aoti'): the compiled package {path} does not "
                            f"reproduce the model on example_inputs ({bad}); use backend='torchscript'")
+    return path
+
+
+def _deployed(model: nn.Module, args: tuple, config: AOTIConfig):
+    """The module export captures (a bf16 copy taking fp32 inputs, outputs flattened when torch alone could not
+    rebuild them) and its eager outputs on ``args``, the reference of the package's self-check."""
+    dtype = None if config.dtype == torch.float32 else config.dtype
+    deployed = _Deployed(copy.deepcopy(model).to(dtype) if dtype else model, dtype)
+    deployed.training = False  # the model is in eval already; .eval() recurses into int8 graphs, which refuse it
+    with torch.no_grad():
+        out = deployed(*args)
+    if needs_flat_outputs(out):
+        deployed.flatten = True
+        names = ", ".join(keystr(p).strip("[]'.") for p, _ in tree_flatten_with_path(out)[0])
+        _log.info("ipex_train.inference.export(backend='aoti'): the model returns a %s: the package returns its "
+                  "tensors as a tuple (%s), so that it loads with torch alone", type(out).__name__, names)
+        out = tuple(tree_leaves(out))
+    return (deployed if dtype or deployed.flatten else model), out
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple, config: AOTIConfig):
+    """torch.export dynamic_shapes for ``config`` and why they are what they are (for the log and the docs)."""
+    if config.dynamic_shapes is not None:
+        return config.dynamic_shapes, "AOTIConfig.dynamic_shapes"
+    if config.dynamic_dims is not None:
+        return dynamic_shapes_for(args, config.dynamic_dims), f"AOTIConfig(dynamic_dims={config.dynamic_dims})"
+    if not default_dynamic_dims(model):
+        return dynamic_shapes_for(args, ()), _CONV_STATIC
+    return default_dynamic_shapes(model, args), "default: batch, and sequence of integer inputs of rank 2"
+
+
+_CONV_STATIC = ("default for models with convolutions: static shapes, which Inductor pre-packs their weights "
+                "for; AOTIConfig(dynamic_dims=(0,)) for a dynamic batch")
+
+
+def _hint(dims: list, why: str) -> str:
+    """The end of the packages' input-check message: how to export for other shapes."""
+    if dims:
+        return (f"Its dynamic dims: {', '.join(dims)}; export with another "
+                "ipex_train.inference.AOTIConfig(dynamic_dims=...) for other shapes.")
+    reason = " (models with convolutions compile for the example's shape by default)" if why == _CONV_STATIC else ""
+    return (f"The package has static shapes{reason}: export with "
+            "ipex_train.inference.AOTIConfig(dynamic_dims=(0,)) to serve other batch sizes.")
+
+
+def _captured(model, args, config, shapes):
+    ep = capture(model, args, dynamic_shapes=shapes, strict=config.strict)
+    ep = apply_passes(ep, args, config, dynamic_shapes=shapes)
+    keep_inputs_unwritten(ep)
+    return ep
+
+
+def _compile(ep, path: str, config: AOTIConfig, hint: str, inputs: str) -> str:
+    """AOTInductor-compile ``ep`` into the package ``path``, with the input checks when config.check_inputs."""
+    metadata = {"ipex_train.inputs": inputs, "ipex_train.input_checks": "on" if config.check_inputs else "off",
+                **config.inductor_configs.get("aot_inductor.metadata", {})}
+    options = {"freezing": config.freezing, **config.inductor_configs, "aot_inductor.metadata": metadata}
+    checks = input_checks.compiled_in(hint) if config.check_inputs else contextlib.nullcontext()
+    with torch.no_grad(), checks:
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=options)
+    if config.check_inputs and not input_checks.verify(path):
+        raise RuntimeError("ipex_train.inference.export(backend='aoti'): this torch's AOTInductor no longer "
+                           f"generates code through the hook the input checks use, so {path} would not refuse "
+                           "wrong shapes; AOTIConfig(check_inputs=False) builds it without them")
     return path
 
 
@@ -252,13 +356,14 @@ def keep_inputs_unwritten(ep) -> None:
     ep.graph_module.recompile()
 
 
-def _self_check(path, model, args, min_cosine=0.99):
-    """None when the package at ``path`` matches ``model`` on ``args`` (cosine of every output >= min_cosine, a
-    check for a miscompiled package, not for precision) and leaves its inputs as they were, else what differed."""
+def _self_check(path, reference, args, min_cosine=0.99):
+    """None when the package at ``path`` matches the model's outputs ``reference`` on ``args`` (cosine of every
+    output >= min_cosine, a check for a miscompiled package, not for precision) and leaves its inputs as they
+    were, else what differed."""
     package = torch._inductor.aoti_load_package(path)
     copies = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args)
     with torch.no_grad():
-        got, want = tree_leaves(package(*copies)), tree_leaves(model(*args))
+        got, want = tree_leaves(package(*copies)), tree_leaves(reference)
     for i, (a, b) in enumerate(zip(tree_leaves(copies), tree_leaves(args))):
         if isinstance(a, torch.Tensor) and not torch.equal(a, b):
             return f"input {i} was modified in place by the package"

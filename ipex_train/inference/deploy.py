@@ -20,7 +20,10 @@ def export(model, example_inputs, *, backend="torchscript", path=None, config=No
     backend="aoti": torch.export + AOTInductor with freezing into the package ``path`` (``*.pt2``), which
     ``torch._inductor.aoti_load_package(path)`` loads in a process without ipex_train; returns the path.
     ``config`` (an AOTIConfig) sets dtype (fp32/bf16), dynamic dims and capture options; by default the batch dim
-    is dynamic. An int8 package comes from the graph ipex_train.quantization.convert(prepared, backend="pt2e",
+    is dynamic, and the sequence of token ids (integer inputs of rank 2), except in models with convolutions,
+    which compile for the example's shapes. The package refuses other shapes with a RuntimeError naming them
+    (checks compiled in), and returns a tuple of tensors where the model returns a transformers ModelOutput.
+    An int8 package comes from the graph ipex_train.quantization.convert(prepared, backend="pt2e",
     example_inputs=...) returns. RuntimeError names what failed when torch.export cannot capture the model
     (backend="torchscript" traces such models).
     """
