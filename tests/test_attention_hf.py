@@ -10,7 +10,7 @@ attending across documents or to padding differs by far more in the documents' l
 import pytest
 import torch
 
-from ipex_train.base import attention
+from ipex_train import attention
 from ipex_train.base import ops as _ops
 
 transformers = pytest.importorskip("transformers")

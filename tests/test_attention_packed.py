@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ipex_train.base import attention
+from ipex_train import attention
 from ipex_train.base import ops as _ops
 
 BF16 = torch.bfloat16
