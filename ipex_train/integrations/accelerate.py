@@ -53,6 +53,7 @@ except ImportError as e:  # the plugin is optional; say what to install instead 
 from .. import compute_policy
 from ..config import OptimizeConfig, env_var
 from ..frontend import optimize
+from ._convert import broadcast_fp32_weights
 
 __all__ = ["IpexTrainPlugin", "ENV_VARS"]
 
@@ -168,7 +169,7 @@ class IpexTrainPlugin:
             # would otherwise run bf16 matmuls.
             compute_policy.attach(model, compute_policy.resolve(self.bf16_compute))
         if accelerator.num_processes > 1:
-            _broadcast_fp32_weights(model)
+            broadcast_fp32_weights(model)
 
         args = list(args)
         args[model_at], args[optimizer_at] = model, optimizer
@@ -224,13 +225,3 @@ def _find_model_and_optimizer(args: tuple) -> tuple[int, int]:
                          f"accepted, got {len(models)} model(s) at positions {models} and {len(optimizers)} "
                          f"optimizer(s) at positions {optimizers}; prepare other models with accelerator.prepare")
     return models[0], optimizers[0]
-
-
-def _broadcast_fp32_weights(model: nn.Module) -> None:
-    """Give every process rank 0's exact weights: DDP's own broadcast at wrap time copies only the bf16 tops,
-    which would leave different residuals (hence different fp32 weights) on ranks seeded differently."""
-    state = model.state_dict()  # fp32 values of the low-precision parameters, aliases of the others
-    for value in state.values():
-        if isinstance(value, torch.Tensor):
-            torch.distributed.broadcast(value, src=0)
-    model.load_state_dict(state)  # re-splits the fp32 values into top + residual
