@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from ipex_train import attention
-from ipex_train.base import ops as _ops
 
 transformers = pytest.importorskip("transformers")
 from ipex_train.integrations import hf_attention  # noqa: E402  (registers "ipex_train")
@@ -118,7 +117,8 @@ def test_sliding_window_same_as_sdpa():
     _close(run("ipex_train"), run("sdpa"), 3e-2)
 
 
-@pytest.mark.skipif(not _ops.cpu_features().get("avx512_bf16", False), reason="the tiled kernel needs AVX-512 BF16")
+@pytest.mark.skipif(not attention._bf16_dot_in_use(),
+                    reason="the tiled kernel runs on AVX-512 BF16 with the avx512 kernel variant only")
 def test_packed_documents_run_on_the_tiled_kernel():
     calls = []
     original = attention._op.flash_forward
