@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
-import time
 import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
 
+import spawn_ranks
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import ipex_train
@@ -334,35 +332,7 @@ def _rank_main(rank: int, world: int, port: int, tasks: list, out: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(world: int, tasks: list, out: Path, timeout: float = 600) -> list[dict]:
     """Run ``tasks`` ([(name, args)], functions ``task_<name>``) in ``world`` fresh ranks (gloo on 127.0.0.1);
     returns each rank's results. Ranks still running after ``timeout`` seconds are killed."""
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_rank_main, args=(world, free_port(), tasks, str(out)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"FSDP2 ranks still running after {timeout} s")
-    except mp.ProcessExitedException:
-        # A rank that dies after every rank has written its results died in gloo's teardown (seen under load:
-        # "terminate called without an active exception" after destroy_process_group); the results stand.
-        if not all((out / f"rank{rank}.pkl").exists() for rank in range(world)):
-            raise
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = []
-    for rank in range(world):
-        with open(out / f"rank{rank}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    return spawn_ranks.spawn(_rank_main, (tasks,), world, out, timeout, "FSDP2")

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
-import time
 import traceback
 import warnings
 from pathlib import Path
 
 import lightning as L
+import spawn_ranks
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from ipex_train.integrations.lightning import IpexTrainPrecision
@@ -83,13 +81,6 @@ def fit(precision: str, batch: int, steps: int, rank: int = 0, world: int = 1, *
     return out
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, batch: int, steps: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
@@ -113,24 +104,4 @@ def _rank_main(rank: int, world: int, port: int, batch: int, steps: int, out: st
 def spawn(world: int, batch: int, steps: int, out: Path, timeout: float = 240) -> list[dict]:
     """Run :func:`fit` (fp32, then bf16) in ``world`` fresh DDP ranks with ``batch`` rows each; each rank's
     results. Ranks still running after ``timeout`` seconds are killed."""
-    out.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_rank_main, args=(world, free_port(), batch, steps, str(out)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Lightning DDP ranks still running after {timeout} s")
-    except mp.ProcessExitedException:
-        # A rank dying in gloo's teardown after every rank wrote its results leaves the results standing.
-        if not all((out / f"rank{r}.pkl").exists() for r in range(world)):
-            raise
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = []
-    for rank in range(world):
-        with open(out / f"rank{rank}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    return spawn_ranks.spawn(_rank_main, (batch, steps), world, out, timeout, "Lightning DDP")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -27,6 +26,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType
+from spawn_ranks import free_port
 
 from ipex_train.integrations.accelerate import ENV_VARS, IpexTrainPlugin
 
@@ -405,12 +405,6 @@ def test_bf16_autocast_runs_matmuls_in_fp32_with_emulated_policy(dtype):
 # --------------------------------------------------------------------------- separate processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "IPEX_TRAIN_"))}
     # One thread per process: 2-core machines, and bitwise comparisons across processes need the same reduction
@@ -453,7 +447,7 @@ def test_save_state_load_state_resumes_exactly_in_a_fresh_process(tmp_path):
 def test_two_process_ddp_training(tmp_path):
     """2 CPU processes (gloo over 127.0.0.1), seeded differently: prepare gives both rank 0's exact fp32 weights,
     training with accumulate + clip keeps them identical, and re-preparing the DDP model is refused."""
-    port = str(_free_port())
+    port = str(free_port())
     commands, envs = [], []
     for rank in range(2):
         commands.append([sys.executable, __file__, "ddp", str(tmp_path / f"rank{rank}.pt")])
@@ -478,7 +472,7 @@ def test_recipe_under_accelerate_launch_two_processes(tmp_path):
     out = tmp_path / "metrics.json"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), str(ROOT / "recipes" / "accelerate_train.py"),
+           "--main_process_port", str(free_port()), str(ROOT / "recipes" / "accelerate_train.py"),
            "--steps", "8", "--batch-size", "32", "--json", str(out), "--output-dir", str(tmp_path / "run"),
            "--no-progress"]
     env = _worker_env(GLOO_SOCKET_IFNAME="lo", **{ENV_VARS["split_master_weight_for_bf16"]: "0"})
