@@ -9,6 +9,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -92,7 +93,9 @@ def train_loop(name: str, dtype: str, model: torch.nn.Module, optimizer: torch.o
 
     result = RunResult(name=name, dtype=dtype, steps=steps, batch_size=batch_size)
     model.train()
-    bar = tqdm(range(steps), desc=f"{name:>24}", disable=not progress, leave=True, dynamic_ncols=True)
+    # The bar only on a terminal: piped or logged output stays one line per run.
+    bar = tqdm(range(steps), desc=f"{name:>24}", disable=not progress or not sys.stderr.isatty(), leave=True,
+               dynamic_ncols=True)
     for _ in bar:
         x, y = next(batches)
         t0 = time.perf_counter()
