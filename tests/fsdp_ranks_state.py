@@ -128,3 +128,42 @@ def task_bad_load() -> dict:
     problem, with nothing changed on any rank; one corrupted on rank 1 only is refused on rank 0 as well. Then a
     good load and a step still work."""
     return {**_bad_loads("fp32", None), **_bad_loads("int8", "int8")}
+
+
+def task_checkpointer_async(root: str) -> dict:
+    """ipex_train.checkpoint on shards (int8 state, the step inside backward): a synchronous and an asynchronous
+    save of the same step, the asynchronous writer held back until two more steps changed the shards in place;
+    each loaded into a fresh sharded model, whose gathered weights and next two losses are returned."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from ipex_train.checkpoint import Checkpointer
+
+    release, save = threading.Event(), dcp.save
+
+    def held_back(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            release.wait(60)
+        return save(*args, **kwargs)
+
+    kw = {"make_model": R.wide_model, "optimizer_state_dtype": "int8", "step_in_backward": True}
+    m, opt = R.sharded(**kw)
+    R.train(m, opt, 2)
+    Checkpointer(f"{root}/sync", m, opt).save(2)
+    dcp.save = held_back
+    try:
+        ckpt = Checkpointer(f"{root}/async", m, opt, async_save=True)
+        ckpt.save(2)
+        R.train(m, opt, 2)
+        release.set()
+        ckpt.close()
+    finally:
+        dcp.save = save
+    out = {"trained_on": R.full(m)}
+    for name in ("sync", "async"):
+        m2, opt2 = R.sharded(**kw)
+        out[f"{name}_step"] = Checkpointer(f"{root}/{name}", m2, opt2).resume().step
+        out[f"{name}_weights"] = R.full(m2)
+        out[f"{name}_losses"] = R.train(m2, opt2, 2)
+    return out

@@ -159,21 +159,42 @@ def test_rng_states_come_back(tmp_path):
     assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
 
 
-def test_async_save_equals_sync_save(tmp_path):
-    model, opt, sched = make("int8_sib")
+@pytest.mark.parametrize("config", ["torch", "int8_sib"])
+def test_async_save_equals_sync_save(tmp_path, monkeypatch, config):
+    """The background write holds the state of save() time: the writer is held back until two more training
+    steps have changed every weight and moment in place (fp32 parameters and state share memory with what a state
+    dict returns; a write without its own copy would save the later values)."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    release, save = threading.Event(), dcp.save
+    writer_threads = []
+
+    def held_back(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            writer_threads.append(threading.current_thread().name)
+            assert release.wait(60)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", held_back)
+    model, opt, sched = make(config)
     gen = torch.Generator().manual_seed(1)
     train(model, opt, sched, gen, 2)
     Checkpointer(tmp_path / "sync", model, opt, sched).save(2)
     ckpt = Checkpointer(tmp_path / "async", model, opt, sched, async_save=True)
     ckpt.save(2)
     train(model, opt, sched, gen, 2)  # training goes on while it is written: the copy taken at save() is written
+    release.set()
     ckpt.close()
+    assert writer_threads == ["ipex_train checkpoint step-2"]
     loaded = []
     for name in ("sync", "async"):
-        m, o, s = make("int8_sib")
+        m, o, s = make(config)
         assert Checkpointer(tmp_path / name, m, o, s).resume().step == 2
         loaded.append((m.state_dict(), raw_state(o), s.state_dict()))
     assert same(loaded[0][0], loaded[1][0]) and same(loaded[0][1], loaded[1][1]) and loaded[0][2] == loaded[1][2]
+    assert not same(loaded[0][0], model.state_dict())  # the two later steps did change the weights
 
 
 def test_plain_torch_loads_the_checkpoint(tmp_path):

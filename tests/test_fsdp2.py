@@ -40,7 +40,8 @@ def ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, ckpt):
     tasks = [("fp32", ()), ("bf16", ()), ("refusals", ()), ("dcp_save", (str(ckpt),)), ("clip", ()),
-             ("step_in_backward", ()), ("memory", ()), ("reduced_norms", ()), ("frozen", ()), ("bad_load", ())]
+             ("step_in_backward", ()), ("memory", ()), ("reduced_norms", ()), ("frozen", ()), ("bad_load", ()),
+             ("checkpointer_async", (str(tmp_path_factory.mktemp("fsdp_async")),))]
     return R.spawn(2, tasks, tmp_path_factory.mktemp("fsdp2"))
 
 
@@ -262,3 +263,12 @@ def test_checkpoint_bad_on_one_rank_is_refused_on_all(two, state):
         assert "but not 'exp_avg'" in got[f"{state}_set_state_dict"], got[f"{state}_set_state_dict"]
         assert got[f"{state}_set_state_dict_unchanged"] and got[f"{state}_good_load_unchanged"]
     assert rank0[f"{state}_after"] == rank1[f"{state}_after"]
+
+
+def test_checkpointer_async_save_on_shards_equals_the_sync_save(two):
+    # The background writer (held back while two more steps changed the shards) wrote the shards of save() time.
+    got = _ok(two[0]["checkpointer_async"])
+    assert got["sync_step"] == got["async_step"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(got["sync_weights"], got["async_weights"]))
+    assert not all(torch.equal(a, b) for a, b in zip(got["sync_weights"], got["trained_on"]))
+    assert got["sync_losses"] == got["async_losses"]

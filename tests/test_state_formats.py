@@ -264,6 +264,52 @@ def test_kernel_int8_codes_match_python_bits_near_every_code_boundary(signed):
         _ops.set_kernel_variant(before)
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_kernel_int8_decode_matches_python_bits(signed):
+    # The C++ decode (what checkpoints use) against the torch-op reference, bit for bit, on every kernel variant:
+    # every code of every block, partial last blocks, a zero block, a NaN scale, strided (channels-last) params,
+    # and the same bits at 1 and 2 threads.
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.arange(-127 if signed else 0, 128 if signed else 256, dtype=torch.int32)
+    before, threads = _ops.kernel_variant(), torch.get_num_threads()
+    try:
+        for n in (1, 255, 256, 257, 4096 + 17, 3 * 256 * 1024 + 5):
+            x = torch.randn(n, generator=gen) if signed else torch.rand(n, generator=gen)
+            x[: min(n, codes.numel())] = codes[: min(n, codes.numel())].float() / 200
+            if n > 600:
+                x[256:512] = 0.0
+                x[600] = float("nan")
+            q = sf.encode(x, x, sf.StateFormat.INT8, signed)
+            want = sf.decode_reference(q, x).view(torch.int32)
+            nan = torch.isnan(want.view(torch.float32))
+            for v in _ops.supported_kernel_variants():
+                _ops.set_kernel_variant(v)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    got = sf.decode(q, x)
+                    assert torch.equal(torch.isnan(got), nan), (n, v, t)
+                    assert torch.equal(got.view(torch.int32)[~nan], want[~nan]), (n, v, t)
+        p = torch.empty(2, 8, 16, 32).to(memory_format=torch.channels_last)
+        x = torch.randn(p.shape, generator=gen).to(memory_format=torch.channels_last)
+        q = sf.encode(x.abs() if not signed else x, p, sf.StateFormat.INT8, signed)
+        got = sf.decode(q, p)
+        assert got.stride() == p.stride()
+        assert torch.equal(got, sf.decode_reference(q, p))
+    finally:
+        _ops.set_kernel_variant(before)
+        torch.set_num_threads(threads)
+
+
+def test_kernel_int8_decode_names_bad_arguments():
+    q = torch.zeros(4 + 10, dtype=torch.int8)
+    with pytest.raises(ValueError, match="packed has 14 bytes; 11 elements take 15"):
+        _ops.q8_decode(q, torch.empty(11))
+    with pytest.raises(TypeError, match="out has dtype"):
+        _ops.q8_decode(q, torch.empty(10, dtype=torch.float64))
+    with pytest.raises(TypeError, match="packed has dtype"):
+        _ops.q8_decode(q.float(), torch.empty(10))
+
+
 def test_stochastic_rounding_is_unbiased_and_reproducible():
     # SGD momentum with a zero buffer and momentum 0.5 stores buf = grad: one rounding of each grad value.
     g = torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).float()

@@ -72,6 +72,10 @@ def _register_fakes() -> None:
     def _combine_fake(top, residual):
         return torch.empty_like(top, dtype=torch.float32)
 
+    @torch.library.register_fake("ipex_train::q8_decode")
+    def _q8_decode_fake(packed, out):
+        return None
+
 
 _register_fakes()
 
@@ -91,6 +95,13 @@ def q8_encode(x: torch.Tensor, signed: bool) -> torch.Tensor:
     (its fake, for tracing, is registered there: that module owns the packed size).
     """
     return ops.q8_encode(x, signed)
+
+
+def q8_decode(packed: torch.Tensor, out: torch.Tensor) -> None:
+    """Decode packed int8 optimizer state (fp32 block scales, then int8 or uint8 codes: what :func:`q8_encode`
+    gives) into ``out``, a contiguous 1-D fp32 tensor of its element count, with the steps' own decoding:
+    ``optim.state_formats.decode``'s values, bit for bit, at memory speed."""
+    ops.q8_decode(packed, out)
 
 
 def combine_bf16(top: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from . import _folders, _state
+from . import _folders, _staging, _state
 
 __all__ = ["Checkpointer", "Resumed", "complete_checkpoints", "latest_checkpoint"]
 
@@ -73,6 +73,9 @@ def _distributed() -> tuple[int, int]:
     return 0, 1
 
 
+_SINGLE_PROCESS_SAVE = "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save"
+
+
 @contextlib.contextmanager
 def _quiet(single_process: bool):
     """DCP warns at every save and load of one process that it assumes one process: intended here."""
@@ -102,8 +105,10 @@ class Checkpointer:
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``), or None.
         every: :meth:`maybe_save` saves when the step is a multiple of it (None: only when ``final=True``).
         keep: how many complete checkpoints to keep (the latest); None keeps all.
-        async_save: write in the background (``torch.distributed.checkpoint.async_save``: the state is copied,
-            then written by a thread while training goes on; a checkpoint counts once its write finished).
+        async_save: write in the background: ``save()`` builds the state dict (copying what shares memory with
+            the live model and optimizer), then a thread of lower priority writes it with
+            ``torch.distributed.checkpoint.save`` while training goes on; a checkpoint counts once its write
+            finished.
 
     Under torch.distributed every rank constructs it and calls every method; rank 0 publishes and deletes folders.
     """
@@ -124,6 +129,11 @@ class Checkpointer:
         _check_int("keep", keep, 1, allow_none=True)
         if not isinstance(async_save, bool):
             raise TypeError(f"Checkpointer: async_save must be True or False, got {async_save!r}")
+        if async_save and not (dist.is_available() and dist.is_initialized()):
+            # DCP says at every single-process save that it assumes one process (intended here). The background
+            # write cannot scope a filter to itself (warnings.catch_warnings is process-wide, not thread-safe), so
+            # this one message is filtered for the process.
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_SAVE)
         self.directory = Path(directory)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.every, self.keep, self.async_save = every, keep, async_save
@@ -166,11 +176,11 @@ class Checkpointer:
             self._publish(step)
             self.last_saved_step = step
         else:
+            # The write goes on in a thread of this process on a private copy of the state (only what shares memory
+            # with the live model and optimizer is copied: _staging), and the folder is published when it is done.
+            state = _staging.private_copy(state, self.model, self.optimizer)
             self.last_saved_step = step  # a failed background write raises at the next wait()
-            with _quiet(not self._dist):
-                future = dcp.async_save(state, checkpoint_id=target, process_group=self._group,
-                                        no_dist=not self._dist)
-            self._pending = threading.Thread(target=self._finish, args=(future, step), daemon=True,
+            self._pending = threading.Thread(target=self._write, args=(state, target, step), daemon=True,
                                              name=f"ipex_train checkpoint step-{step}")
             self._pending.start()
         return _folders.final_path(self.directory, step)
@@ -182,9 +192,10 @@ class Checkpointer:
             _folders.publish(self.directory, step, {"world_size": self.world_size})
             _folders.prune(self.directory, self.keep)
 
-    def _finish(self, future, step: int) -> None:
+    def _write(self, state: dict[str, Any], target: Path, step: int) -> None:
         try:
-            future.result()
+            _staging.lower_priority()
+            dcp.save(state, checkpoint_id=target, process_group=self._group, no_dist=not self._dist)
             self._publish(step)
         except BaseException as e:  # re-raised by wait() in the training thread
             self._error = e

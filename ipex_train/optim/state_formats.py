@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..base import ops as _ops
 from ..base.choices import (
     STATE_FORMATS_ACCEPTED,
     StateFormat,
@@ -185,6 +186,18 @@ def decode(t: Tensor, p: Tensor) -> Tensor:
     out = torch.empty_like(p, dtype=torch.float32)
     if fmt is None or fmt is StateFormat.BF16:
         return out.copy_(t)
+    if type(t) is Tensor and type(out) is Tensor and t.device.type == "cpu" and t.is_contiguous():
+        # The steps' own decoding (bit for bit :func:`decode_reference`), ~10x faster: a checkpoint of int8 state
+        # decodes it on the training thread.
+        _ops.q8_decode(t, _flat(out))
+        return out
+    return decode_reference(t, p, out)
+
+
+def decode_reference(t: Tensor, p: Tensor, out: Tensor | None = None) -> Tensor:
+    """int8 state ``t`` of ``p`` decoded with plain torch ops (into ``out`` when given): the reference the C++
+    decoding is tested against, and the path for tensors the C++ op does not take."""
+    out = torch.empty_like(p, dtype=torch.float32) if out is None else out
     signed = t.dtype == torch.int8
     n, nb = p.numel(), _blocks(p.numel())
     scale = t[: 4 * nb].view(torch.float32)

@@ -88,6 +88,8 @@ struct KernelTable {
   void (*combine_bf16)(const uint16_t* top, const int16_t* residual, float* dst, int64_t n);
   // Encodes n fp32 values in an int8 format (the state encoding of the steps, ipex_train/state_codec.h).
   void (*q8_encode)(StateCodec c, const float* in, void* codes, float* scales, int64_t n);
+  // Decodes n values of that format to fp32 (n a multiple of the block size, or the tensor's last block).
+  void (*q8_decode)(StateCodec c, const void* codes, const float* scales, float* out, int64_t n);
   void (*softmax_row)(const SoftmaxRow& row);  // attention_rows.h
   void (*softmax_grad_row)(const SoftmaxGradRow& row);
   float (*rms_norm_row)(const RmsNormRow& row);  // rms_norm_rows.h; returns the row's rstd

@@ -272,10 +272,14 @@ void q8_encode(StateCodec c, const float* in, void* codes, float* scales, int64_
   encode_state(c, in, codes, scales, n, 0, 0);
 }
 
+void q8_decode(StateCodec c, const void* codes, const float* scales, float* out, int64_t n) {
+  decode_state(c, codes, scales, out, n);
+}
+
 }  // namespace
 
 #define ITR_ENTRY(name, args) Loops<fused::name>::entry(),
-extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_OPTIMIZERS(ITR_ENTRY) split_bf16, combine_bf16, q8_encode,
+extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_OPTIMIZERS(ITR_ENTRY) split_bf16, combine_bf16, q8_encode, q8_decode,
                                      attn::softmax_row, attn::softmax_grad_row, rmsn::rms_norm_row,
                                      rmsn::rms_norm_grad_row};
 #undef ITR_ENTRY

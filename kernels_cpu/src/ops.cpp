@@ -133,6 +133,35 @@ at::Tensor q8_encode(const at::Tensor& x_in, bool is_signed) {
   return out;
 }
 
+// Decodes packed int8 state (as q8_encode writes it) into the fp32 1-D tensor `out` of its element count: what
+// checkpoints save, at the speed of the steps' own decoding. Split at block boundaries, so the bits do not depend
+// on the thread count (each element is decoded alone anyway).
+void q8_decode(const at::Tensor& packed, at::Tensor& out) {
+  const char* op = "ipex_train::q8_decode";
+  check_cpu_dense(op, packed, "packed");
+  check_cpu_dense(op, out, "out");
+  const bool is_signed = packed.scalar_type() == at::kChar;
+  TORCH_CHECK_TYPE(is_signed || packed.scalar_type() == at::kByte, op, ": packed has dtype ", packed.scalar_type(),
+                   "; expected int8 or uint8");
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, op, ": out has dtype ", out.scalar_type(), "; expected float32");
+  TORCH_CHECK_VALUE(packed.dim() == 1 && out.dim() == 1 && packed.is_contiguous() && out.is_contiguous(), op,
+                    ": packed and out must be contiguous 1-D tensors");
+  const int64_t n = out.numel(), blocks = q8_blocks(n);
+  TORCH_CHECK_VALUE(packed.numel() == 4 * blocks + n, op, ": packed has ", packed.numel(), " bytes; ", n,
+                    " elements take ", 4 * blocks + n);
+  const char* bytes = static_cast<const char*>(packed.const_data_ptr());
+  const auto* scales = reinterpret_cast<const float*>(bytes);
+  const char* codes = bytes + 4 * blocks;
+  float* o = out.data_ptr<float>();
+  const StateCodec c = is_signed ? StateCodec::kQ8Signed : StateCodec::kQ8Unsigned;
+  const KernelTable& k = kernels();
+  // ~1 MiB of output per task; scales are indexed from the run's first block.
+  at::parallel_for(0, blocks, 1024, [&](int64_t b0, int64_t b1) {
+    const int64_t first = b0 * kQ8Block, count = std::min(b1 * kQ8Block, n) - first;
+    k.q8_decode(c, codes + first, scales + b0, o + first, count);
+  });
+}
+
 // Sparse grads dispatch to the SparseCPU key, before the CPU kernel's own checks could name the argument.
 void reject_sparse(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
@@ -170,6 +199,7 @@ TORCH_LIBRARY(ipex_train, m) {
   m.def("split_bf16(Tensor src) -> (Tensor top, Tensor residual)");
   m.def("combine_bf16(Tensor top, Tensor residual) -> Tensor");
   m.def("q8_encode(Tensor x, bool signed) -> Tensor");
+  m.def("q8_decode(Tensor packed, Tensor(a!) out) -> ()");
   m.def("kernel_variant() -> str", &ipex_train::kernel_variant);
   m.def("set_kernel_variant(str name) -> ()", &ipex_train::set_kernel_variant);
   m.def("set_kernel_variant_error(str message) -> ()", &ipex_train::set_kernel_variant_error);
@@ -186,6 +216,7 @@ TORCH_LIBRARY_IMPL(ipex_train, CPU, m) {
   m.impl("split_bf16", &ipex_train::split_bf16);
   m.impl("combine_bf16", &ipex_train::combine_bf16);
   m.impl("q8_encode", &ipex_train::q8_encode);
+  m.impl("q8_decode", &ipex_train::q8_decode);
 }
 
 TORCH_LIBRARY_IMPL(ipex_train, SparseCPU, m) {
