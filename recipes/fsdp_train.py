@@ -15,8 +15,9 @@ with torch.distributed.checkpoint at the end (loadable at any number of processe
 --checkpoint-dir DIR --checkpoint-every N saves every N steps and at the end into DIR/step-N
 (:class:`ipex_train.checkpoint.Checkpointer`: shards of the model and optimizer, the LR schedule, each rank's RNG
 states and data position); the same command run again (after a crash) resumes from the
-latest complete checkpoint and rank 0 prints where (--no-resume starts over). Resuming needs the same number of
-processes (the data position is per rank).
+latest complete checkpoint and rank 0 prints where (--no-resume starts over), and so do the ranks torchrun starts
+again itself after one died (torchrun --max-restarts N). Resuming needs the same number of processes (the data
+position is per rank).
 """
 from __future__ import annotations
 

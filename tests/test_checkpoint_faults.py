@@ -1,7 +1,8 @@
 """kill -9 inside a checkpoint save and inside a training step, then resume: the bounded version of
 tests/checkpoint_faults.py (its small ``mlp`` target: bf16 split weights, int8 optimizer state, step_in_backward),
-whose full runs (the LLM fine-tune recipe, 2-rank FSDP2) are reported in docs/checkpoints.md. Only processes this
-test starts (each in a session of its own) are killed. ~40-60 s."""
+whose full runs (the LLM fine-tune recipe, 2-rank FSDP2) are reported in docs/checkpoints.md; and torchrun's own
+restart of 2 FSDP2 ranks after one was killed. Only processes these tests start (each in a session of its own) are
+killed. ~40-60 s each, the store test ~10 s."""
 import checkpoint_faults as F
 
 
