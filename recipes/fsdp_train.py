@@ -15,8 +15,9 @@ with torch.distributed.checkpoint at the end (loadable at any number of processe
 --checkpoint-dir DIR --checkpoint-every N saves every N steps and at the end into DIR/step-N
 (:class:`ipex_train.checkpoint.Checkpointer`: shards of the model and optimizer, the LR schedule, each rank's RNG
 states and data position); the same command run again (after a crash) resumes from the
-latest complete checkpoint and rank 0 prints where (--no-resume starts over). Resuming needs the same number of
-processes (the data position is per rank).
+latest complete checkpoint and rank 0 prints where (--no-resume starts over), and so do the ranks torchrun starts
+again itself after one died (torchrun --max-restarts N). Resuming needs the same number of processes (the data
+position is per rank).
 """
 from __future__ import annotations
 
@@ -128,6 +129,22 @@ def train(args: argparse.Namespace) -> _common.RunResult:
     return result
 
 
+def init_process_group() -> None:
+    """The gloo process group over torchrun's env:// rendezvous (one process when run directly), its store keys
+    under a prefix naming torchrun's restart count.
+
+    torchrun (static and c10d rendezvous alike) keeps one TCPStore for the whole job, and the workers it starts
+    again after a rank died (--max-restarts) connect to that same store. Without a prefix of their own, a
+    restarted rank's gloo connectFullMesh can read the address a rank of the previous attempt published (the
+    key names are the same) and fail with "Connection refused" before training starts."""
+    if "RANK" not in os.environ:  # run directly: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"recipes.fsdp_train/attempt{attempt}", store),
+                            rank=rank, world_size=world_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torchrun --nproc_per_node 2 -m recipes.fsdp_train",
                                      description=__doc__.split("\n\n")[0])
@@ -150,9 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     _checkpoints.check_flags(parser, args)
-    if "RANK" not in os.environ:  # run directly: one process
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
-    dist.init_process_group("gloo")
+    init_process_group()
     try:
         result = train(args)
         if dist.get_rank() == 0:

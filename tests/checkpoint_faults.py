@@ -5,10 +5,12 @@ step on).
 
     python tests/checkpoint_faults.py --target llm --kills 20 --json out/faults_llm.json
     python tests/checkpoint_faults.py --target fsdp --kills 6 --json out/faults_fsdp.json    # one rank killed
+    python tests/checkpoint_faults.py --target fsdp --restarts --kills 4    # torchrun --max-restarts 1 resumes
 
 Targets: ``llm`` is ``python -m recipes.llm_finetune --size tiny --mode full --variants ipex-int8-sib`` (bf16
 split weights, int8 optimizer state, the step inside backward); ``fsdp`` is ``torchrun --nproc_per_node 2 -m
-recipes.fsdp_train --state-dtype int8 --step-in-backward`` with one rank killed (torchrun then stops the other);
+recipes.fsdp_train --state-dtype int8 --step-in-backward`` with one rank killed (torchrun then stops the other;
+with ``--restarts`` torchrun runs with ``--max-restarts 1`` and its restarted workers resume, in the same launch);
 ``mlp`` is a small loop of this file's own (tests/test_checkpoint_faults.py uses it: it starts in seconds). Every
 process started here is in a session of its own, and only those are killed.
 """
@@ -39,8 +41,9 @@ def _port() -> int:
 
 
 def command(target: str, ckdir: Path, out: Path, steps: int, every: int,
-            publish_delay: float = 0.0) -> tuple[list[str], Path]:
-    """The command line of one run of ``target`` and the folder its step-N checkpoints go to."""
+            publish_delay: float = 0.0, restarts: int = 0) -> tuple[list[str], Path]:
+    """The command line of one run of ``target`` and the folder its step-N checkpoints go to; ``restarts``
+    (fsdp): torchrun's --max-restarts."""
     py = [sys.executable, "-W", "ignore"]
     flags = ["--checkpoint-dir", str(ckdir), "--checkpoint-every", str(every), "--steps", str(steps)]
     if target == "llm":
@@ -48,7 +51,8 @@ def command(target: str, ckdir: Path, out: Path, steps: int, every: int,
                      "--batch-size", "2", "--seq-len", "64", "--corpus-mib", "1", "--no-progress", "--out",
                      str(out)] + flags, ckdir / "ipex-int8-sib"
     if target == "fsdp":
-        return py + ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        return py + ["-m", "torch.distributed.run", "--max-restarts", str(restarts), "--nproc_per_node", "2",
+                     "--master_addr", "127.0.0.1",
                      "--master_port", str(_port()), "-m", "recipes.fsdp_train", "--hidden", "64", "--layers", "1",
                      "--heads", "2", "--seq-len", "32", "--batch-size", "2", "--state-dtype", "int8",
                      "--step-in-backward", "--no-progress", "--json", str(out / "metrics.json"), "--plot",
@@ -119,11 +123,36 @@ def _wait_for(proc, ckdir: Path, name: str, deadline: float) -> bool:
     return False
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _restarted(proc: subprocess.Popen, ranks: list[int], deadline: float) -> bool:
+    """Wait for every one of ``ranks`` to exit (torchrun stops the survivor after one was killed); whether torchrun
+    then starts new ranks. The checkpoint folder is as the old ranks left it until the new ones have imported
+    torch and resumed, seconds later."""
+    while not all(_gone(r) for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    while proc.poll() is None and time.monotonic() < deadline:
+        if set(_children(proc.pid)) - set(ranks):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def inject(target: str, proc: subprocess.Popen, ckdir: Path, mode: str, k: int, step_s: float,
-           first_ckpt_s: float, rng: random.Random) -> dict:
-    """Kill ``proc`` at a moment of kind ``mode`` around the checkpoint of step ``k``; what happened."""
+           first_ckpt_s: float, rng: random.Random, restart: bool = False) -> dict:
+    """Kill ``proc`` at a moment of kind ``mode`` around the checkpoint of step ``k``; what happened. With
+    ``restart`` (torchrun --max-restarts) one rank is killed and torchrun left running: this returns once every
+    rank of that attempt has exited, before the restarted ranks can touch the checkpoint folder."""
     t0 = time.monotonic()
     deadline = t0 + 600
+    while restart and len(_children(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the ranks are started: the victim is one of them, never torchrun itself
     if mode == "early":  # at a random moment before the first save starts (start-up, the first steps)
         hit = not _wait_for(proc, ckdir, f"step-{k}.tmp", t0 + rng.uniform(0, first_ckpt_s))
     elif mode == "in_save":
@@ -139,6 +168,9 @@ def inject(target: str, proc: subprocess.Popen, ckdir: Path, mode: str, k: int, 
         victim = rng.choice(ranks) if ranks else proc.pid
     if killed:
         os.kill(victim, signal.SIGKILL)
+    if restart:
+        return {"mode": mode, "k": k, "trigger_seen": hit, "killed": killed, "after_s": round(time.monotonic() - t0, 3),
+                "victim": "rank", "restarted_by_torchrun": killed and _restarted(proc, ranks, deadline)}
     if target == "fsdp":
         try:
             proc.wait(timeout=120)  # torchrun notices the dead rank and stops the other
@@ -153,16 +185,19 @@ def trial(target: str, i: int, work: Path, ref: dict, args, rng: random.Random) 
     """One kill and the resume after it."""
     ckroot, out = work / f"ck{i}", work / f"out{i}"
     out.mkdir(parents=True)
-    cmd, ckdir = command(target, ckroot, out, args.steps, args.every, args.publish_delay)
-    mode = MODES[i % len(MODES)]
+    cmd, ckdir = command(target, ckroot, out, args.steps, args.every, args.publish_delay, args.restarts)
+    mode = args.modes[i % len(args.modes)]
     k = args.every if mode == "early" else rng.choice(range(args.every, args.steps, args.every))
     proc = start(cmd, out / "killed.log")
-    record = inject(target, proc, ckdir, mode, k, ref["step_s"], ref["first_ckpt_s"], rng)
+    record = inject(target, proc, ckdir, mode, k, ref["step_s"], ref["first_ckpt_s"], rng, bool(args.restarts))
     seen = folders(ckdir)
     complete = [int(n.split("-")[1]) for n, ok in seen.items() if ok]
     expected = max(complete, default=0)
-    cmd, _ = command(target, ckroot, out, args.steps, args.every, args.publish_delay)  # a new torchrun port
-    text = finish(start(cmd, out / "resumed.log"), out / "resumed.log", timeout=900)
+    if args.restarts:  # torchrun's restarted ranks resume in the same launch
+        text = finish(proc, out / "killed.log", timeout=900)
+    else:
+        cmd, _ = command(target, ckroot, out, args.steps, args.every, args.publish_delay)  # a new torchrun port
+        text = finish(start(cmd, out / "resumed.log"), out / "resumed.log", timeout=900)
     found = RESUMED.search(text)
     resumed = int(found.group(2)) if found else 0
     resumed_folder = Path(found.group(1)).name if found else None
@@ -176,7 +211,7 @@ def trial(target: str, i: int, work: Path, ref: dict, args, rng: random.Random) 
                   final_optimizer_state_bit_identical=_same(final["optim"]["state"], ref["final"]["optim"]["state"]))
     record["ok"] = all(record[key] for key in ("resumed_folder_was_complete", "losses_from_resumed_step_equal",
                                                 "final_weights_bit_identical", "final_optimizer_state_bit_identical")
-                       ) and resumed == expected
+                       ) and resumed == expected and record.get("restarted_by_torchrun", True)
     return record
 
 
@@ -216,17 +251,22 @@ def reference(target: str, work: Path, args) -> dict:
             "first_ckpt_s": first_ckpt or 10.0, "wall_s": time.monotonic() - t0}
 
 
-def run(target: str, kills: int, steps: int, every: int, seed: int, work: Path, publish_delay: float = 0.0) -> dict:
-    """The reference run, then ``kills`` trials; the report. ``publish_delay`` (``mlp`` only): seconds each save
-    waits after DCP wrote everything (``.metadata`` included) and before it is published: a kill inside the save
-    then lands in its most delicate moment."""
-    args = argparse.Namespace(steps=steps, every=every, publish_delay=publish_delay)
+def run(target: str, kills: int, steps: int, every: int, seed: int, work: Path, publish_delay: float = 0.0,
+        restarts: int = 0, modes: tuple = MODES) -> dict:
+    """The reference run, then ``kills`` trials (kill kinds taken in turn from ``modes``); the report.
+    ``publish_delay`` (``mlp`` only): seconds each save waits after DCP wrote everything (``.metadata`` included)
+    and before it is published: a kill inside the save then lands in its most delicate moment. ``restarts``
+    (``fsdp`` only): torchrun's --max-restarts; the killed launch's restarted ranks resume, no second launch."""
+    if restarts and target != "fsdp":
+        raise ValueError("restarts: torchrun restarts ranks of the fsdp target only")
+    args = argparse.Namespace(steps=steps, every=every, publish_delay=publish_delay, restarts=restarts, modes=modes)
     rng = random.Random(seed)
     t0 = time.monotonic()
     ref = reference(target, work, args)
     trials = [trial(target, i, work, ref, args, rng) for i in range(kills)]
-    return {"target": target, "command": " ".join(command(target, Path("DIR"), Path("OUT"), steps, every)[0][3:]),
-            "steps": steps, "every": every, "seed": seed, "kills": kills,
+    return {"target": target, "command": " ".join(command(target, Path("DIR"), Path("OUT"), steps, every,
+                                                           restarts=restarts)[0][3:]),
+            "steps": steps, "every": every, "seed": seed, "kills": kills, "restarts": restarts,
             "killed": sum(t["killed"] for t in trials),
             "killed_inside_save": sum(t["killed_inside_save"] for t in trials),
             "all_ok": all(t["ok"] for t in trials), "reference_wall_s": round(ref["wall_s"], 1),
@@ -288,6 +328,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="default: 24 (llm, mlp), 12 (fsdp)")
     parser.add_argument("--every", type=int, default=None, help="steps between checkpoints (default: 4, fsdp 3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--restarts", action="store_true",
+                        help="fsdp: torchrun --max-restarts 1 restarts the ranks after the kill (no second launch)")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint-dir", help=argparse.SUPPRESS)
@@ -300,7 +342,7 @@ def main(argv=None) -> int:
     steps = args.steps or (12 if args.target == "fsdp" else 24)
     every = args.every or (3 if args.target == "fsdp" else 4)
     with tempfile.TemporaryDirectory(prefix="checkpoint_faults_") as work:
-        report = run(args.target, args.kills, steps, every, args.seed, Path(work))
+        report = run(args.target, args.kills, steps, every, args.seed, Path(work), restarts=int(args.restarts))
     summary = {k: v for k, v in report.items() if k not in ("trials", "reference_losses")}
     print(json.dumps(summary, indent=1))
     if args.json:

@@ -82,6 +82,49 @@ def test_static_sequence_bert_package_refuses_other_sequences(bert_packages, tmp
     _assert_matches(other_batch, model, inputs[2])
 
 
+def test_int8_bert_package_defaults_to_dynamic_batch_and_sequence(tmp_path, caplog):
+    """convert(backend="pt2e") keeps token ids dynamic in batch and sequence by default, as export does: the int8
+    package of the tiny BERT built at (4, 32) with the defaults computes the int8 graph's result at other batches
+    and shorter and longer sequences (in a process with torch alone), and refuses a sequence past the position
+    table and a mask shorter than the ids, naming the shapes."""
+    from int8_helpers import cos
+
+    from ipex_train import quantization
+
+    model, example = _bert(), _ids(4, 32)
+    prepared = quantization.prepare(model, example_inputs=example)
+    with torch.no_grad():
+        for seed in range(10, 13):
+            prepared(*_ids(4, 32, seed))
+    with caplog.at_level("INFO", logger="ipex_train"):
+        graph = quantization.convert(prepared, backend="pt2e", example_inputs=example)
+        package = inference.export(graph, example, backend="aoti", path=tmp_path / "int8.pt2")
+    assert isinstance(graph, torch.fx.GraphModule)
+    assert sum("quantize_per_tensor" in str(n.target) for n in graph.graph.nodes) >= 4  # int8 linears
+    assert ("convert(backend='pt2e'): dynamic input dims input0[0], input0[1], input1[0], input1[1] (default: "
+            "batch, and sequence of integer inputs of rank 2); the graph takes input0 (any, 1..64) int64") \
+        in caplog.text
+    assert "export(backend='aoti'): dynamic input dims input0[0], input0[1], input1[0], input1[1]" in caplog.text
+    good = [_ids(4, 32, 1), _ids(2, 32, 2), _ids(4, 48, 3), _ids(4, 16, 4), _ids(1, 1, 5), _ids(3, 64, 6),
+            _ids(7, 5, 7)]
+    bad = [_ids(4, 65), (_ids(4, 32)[0], _ids(4, 16)[1])]
+    results = call_fresh(package, good + bad, tmp_path)
+    for args, (status, out) in zip(good, results):
+        assert status == "ok", out
+        with torch.no_grad():
+            fake_quant, ref = graph(*args), model(*args)
+        for got, want, fp32 in zip(out, (fake_quant.last_hidden_state, fake_quant.pooler_output),
+                                   (ref.last_hidden_state, ref.pooler_output)):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)  # the package is the lowered graph
+            assert cos(got, fp32) > 0.999
+    (status, message), (status2, message2) = results[len(good):]
+    assert status == "error" and "input 0 has shape (4, 65)" in message and "dim 1 is 65, expected at most 64" \
+        in message
+    assert status2 == "error" and "input 1 has shape (4, 16)" in message2
+    assert "dim 1 is 16, expected dim 1 of input 0's size 32" in message2
+
+
 class _TinyCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -127,6 +170,13 @@ def test_default_dynamic_shapes_per_input():
     shapes = aoti.default_dynamic_shapes(nn.Linear(8, 8), args)
     assert shapes == ({0: auto, 1: auto}, {0: auto, 1: auto}, {0: auto}, {0: auto})
     assert aoti.default_dynamic_shapes(_TinyCNN(), args) == ({}, {}, {}, {})
+    # convert(backend="pt2e") decides the same, static when its summary quantizes a convolution
+    from ipex_train.quantization import pt2e
+
+    linear, conv = [{"type": "linear", "inputs_quantized": [True]}], [{"type": "conv2d", "inputs_quantized": [True]}]
+    assert pt2e._dynamic_shapes(linear, args, None, None)[0] == shapes
+    assert pt2e._dynamic_shapes(conv, args, None, None)[0] == ({}, {}, {}, {})
+    assert pt2e._dynamic_shapes(linear, args, None, (0,))[0] == ({0: auto},) * 4
 
 
 def test_outputs_that_torch_alone_cannot_rebuild_are_flattened():

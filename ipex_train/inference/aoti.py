@@ -121,6 +121,12 @@ def default_dynamic_shapes(model: nn.Module, args: tuple):
     with convolutions (default_dynamic_dims)."""
     if not default_dynamic_dims(model):
         return dynamic_shapes_for(args, ())
+    return token_aware_shapes(args)
+
+
+def token_aware_shapes(args: tuple):
+    """torch.export dynamic_shapes marking batch and sequence (dims 0 and 1) of integer or bool inputs of rank 2
+    (token ids, attention masks) and the batch of other tensors as Dim.AUTO."""
     auto = torch.export.Dim.AUTO
 
     def dims(t):
@@ -129,6 +135,9 @@ def default_dynamic_shapes(model: nn.Module, args: tuple):
         token_like = t.dim() == 2 and not t.is_floating_point() and not t.is_complex()
         return {d: auto for d in ((0, 1) if token_like else (0,)) if d < t.dim()}
     return tree_map(dims, tuple(args))
+
+
+DEFAULT_DIMS_WHY = "default: batch, and sequence of integer inputs of rank 2"
 
 
 # Output containers a package's output spec can hold and still load with torch alone.
@@ -285,7 +294,7 @@ def _dynamic_shapes(model: nn.Module, args: tuple, config: AOTIConfig):
         return dynamic_shapes_for(args, config.dynamic_dims), f"AOTIConfig(dynamic_dims={config.dynamic_dims})"
     if not default_dynamic_dims(model):
         return dynamic_shapes_for(args, ()), _CONV_STATIC
-    return default_dynamic_shapes(model, args), "default: batch, and sequence of integer inputs of rank 2"
+    return default_dynamic_shapes(model, args), DEFAULT_DIMS_WHY
 
 
 _CONV_STATIC = ("default for models with convolutions: static shapes, which Inductor pre-packs their weights "

@@ -153,8 +153,10 @@ def convert(prepared, inplace=False, *, backend="eager", example_inputs=None, dy
     backend="pt2e": the same summary lowered for Inductor as a torchao pt2e quantize/dequantize graph (a
     torch.fx.GraphModule; see pt2e.py for what maps), captured with torch.export on ``example_inputs`` (a tensor
     or a tuple of them; required) with ``dynamic_dims`` of every input dynamic (or ``dynamic_shapes`` as
-    torch.export takes it); ``dynamic_dims`` None: the batch, or no dim when a convolution is quantized (Inductor
-    pre-packs int8 convolution weights only for static shapes). Compile it with torch.compile, or package it with
+    torch.export takes it); ``dynamic_dims`` None: what export(backend="aoti") makes dynamic by default, batch
+    and sequence of token ids (integer or bool inputs of rank 2) and the batch of other inputs, or no dim when a
+    convolution is quantized (Inductor pre-packs int8 convolution weights only for static shapes); the dims that
+    became dynamic are logged at INFO. Compile it with torch.compile, or package it with
     ipex_train.inference.export(..., backend="aoti", path=...) using the same dynamic dims (its default follows
     the same rule). ``fuse_linears`` (pt2e only; default True): linears that read the same tensor with the same
     input scale (attention's Q/K/V) become one int8 GEMM over the concatenated weights, each output channel keeping

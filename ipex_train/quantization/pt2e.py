@@ -17,14 +17,15 @@ JSON still decides them. How the summary maps:
   or with outputs_quantized false), from the Conv/Linear that reads them.
 Before the quantizer runs, linears that read the same tensor with the same input scale (attention's Q/K/V) are
 fused into one (inference.graph_passes), the fused weight keeping each layer's per-channel scales (fuse_entries).
-Dims: by default the batch is dynamic, except when a convolution is quantized (static shapes, as
-export(backend="aoti") compiles such graphs by default: Inductor pre-packs int8 convolution weights only for a
-static input shape). Kept fp32 whatever the summary says, when dims are dynamic: convolutions with one input
-channel (torch 2.14.1's Inductor writes their int8 output in the wrong layout for a dynamic batch; they are cheap
-in fp32). Not mapped: post_op (Inductor fuses every relu it can), inputs_quantized of an add (Inductor decides
-whether the add fuses into the conv), and dtypes (uint8 activations, int8 weights: the only ones both take). A
-tensor the quantizer annotates but no summary entry describes stops the lowering: convert() then falls back to the
-eager int8 model, naming the tensor.
+Dims: by default those export(backend="aoti") makes dynamic, batch and sequence of token ids (integer inputs of
+rank 2) and the batch of other inputs, except when a convolution is quantized (static shapes, as export compiles
+such graphs by default: Inductor pre-packs int8 convolution weights only for a static input shape); logged at INFO.
+Kept fp32 whatever the summary says, when dims are dynamic: convolutions with one input channel (torch 2.14.1's
+Inductor writes their int8 output in the wrong layout for a dynamic batch; they are cheap in fp32). Not mapped:
+post_op (Inductor fuses every relu it can), inputs_quantized of an add (Inductor decides whether the add fuses into
+the conv), and dtypes (uint8 activations, int8 weights: the only ones both take). A tensor the quantizer annotates
+but no summary entry describes stops the lowering: convert() then falls back to the eager int8 model, naming the
+tensor.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ import warnings
 import torch
 from torch import nn
 
-from ..inference.aoti import capture
+from ..inference.aoti import DEFAULT_DIMS_WHY, capture, dynamic_dims_of, dynamic_shapes_for, token_aware_shapes
 from ..inference.graph_passes import attention_matmuls_in, fuse_shared_input_linears
+from ..inference.input_checks import expected_shapes
 
 _log = logging.getLogger("ipex_train")
 
@@ -57,8 +59,9 @@ class LoweringError(RuntimeError):
 def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=None, dynamic_dims=None,
           fuse_linears=True, bf16_attention=True):
     """The converted pt2e GraphModule of ``model`` (the prepared fp32 copy, hooks removed) with the summary's
-    scales; LoweringError naming what failed. ``dynamic_dims`` None: the batch dynamic unless the summary
-    quantizes a convolution (export(backend="aoti") compiles such graphs for static shapes by default).
+    scales; LoweringError naming what failed. ``dynamic_dims`` and ``dynamic_shapes`` None: batch and sequence
+    of integer inputs of rank 2 (token ids) and the batch of other inputs dynamic, as export(backend="aoti")'s
+    default, unless the summary quantizes a convolution (static shapes, as export compiles such graphs).
     ``fuse_linears``: linears reading the same tensor with the same int8 input quantization (attention's Q/K/V)
     become one int8 GEMM over the concatenated weights before the quantizer runs (see fuse_entries).
     ``bf16_attention``: the attention's two fp32 batched matmuls (scores, context) run in bf16 in the converted
@@ -66,9 +69,7 @@ def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=Non
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    if dynamic_dims is None:
-        dynamic_dims = () if any(e["type"].startswith("conv") and all(e["inputs_quantized"]) for e in summary) \
-            else (0,)
+    shapes, why = _dynamic_shapes(summary, args, dynamic_shapes, dynamic_dims)
     kept = [e["name"] for e in summary if e["type"].startswith("conv") and all(e["inputs_quantized"])
             and model.get_submodule(e["name"]).in_channels == 1] if dynamic_shapes or dynamic_dims else []
     if kept:
@@ -78,7 +79,7 @@ def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=Non
     errors = []
     for strict in (True, False):  # strict first: non-strict capture breaks X86InductorQuantizer on reused modules
         try:
-            ep = capture(model, args, dynamic_shapes=dynamic_shapes, dynamic_dims=dynamic_dims, strict=strict)
+            ep = capture(model, args, dynamic_shapes=shapes, strict=strict)
             gm = ep.module()
             fused = fuse_shared_input_linears(gm, functools.partial(_same_quantization, entries)) \
                 if fuse_linears else {}
@@ -89,6 +90,8 @@ def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=Non
                           f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     else:
         raise LoweringError("; ".join(errors))
+    _log.info("ipex_train.quantization.convert(backend='pt2e'): dynamic input dims %s (%s); the graph takes %s",
+              ", ".join(dynamic_dims_of(ep)) or "none", why, expected_shapes(ep))
     if fused:
         _log.info("ipex_train.quantization.convert(backend='pt2e'): %d groups of linears sharing their input fused "
                   "into one int8 GEMM each", len(fused))
@@ -100,6 +103,21 @@ def lower(model: nn.Module, summary: list[dict], args: tuple, dynamic_shapes=Non
     for m in converted.modules():  # captured from an eval model; the flag says so (exported modules refuse .eval())
         m.training = False
     return converted
+
+
+def _dynamic_shapes(summary, args, dynamic_shapes, dynamic_dims):
+    """torch.export dynamic_shapes for convert()'s arguments and why (for the log): as export(backend="aoti")
+    decides them by default, batch and sequence of token ids (integer inputs of rank 2) and the batch of other
+    inputs, but static shapes when a convolution is quantized (Inductor pre-packs int8 convolution weights only
+    for a static input shape)."""
+    if dynamic_shapes is not None:
+        return dynamic_shapes, "dynamic_shapes"
+    if dynamic_dims is not None:
+        return dynamic_shapes_for(args, dynamic_dims), f"dynamic_dims={dynamic_dims}"
+    if any(e["type"].startswith("conv") and all(e["inputs_quantized"]) for e in summary):
+        return dynamic_shapes_for(args, ()), ("default with an int8 convolution: static shapes, which Inductor "
+                                              "pre-packs its weights for; dynamic_dims=(0,) for a dynamic batch")
+    return token_aware_shapes(args), DEFAULT_DIMS_WHY
 
 
 def _same_quantization(entries, names) -> bool:
