@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-# The writer thread's nice value (Linux applies it per thread): on a machine whose cores all train, the write takes
-# what the training leaves, rather than an equal share of a core. Measured in
-# benchmarks/standalone/checkpoint_async.py (docs/checkpoints.md).
-WRITER_NICE = 10
-
+# The writer thread runs under SCHED_IDLE where Linux allows it (else at this nice value; both apply per thread):
+# on a machine whose cores all train, the write takes the time the training leaves idle (between ops, at Python
+# overhead) instead of an equal share of a core, which stalls every parallel region that has a thread on it.
+# Measured in benchmarks/standalone/checkpoint_async.py (docs/checkpoints.md).
+WRITER_NICE = 19
+WRITER_IDLE = True
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     local = getattr(t, "_local_tensor", None)  # a DTensor's shard on this rank
@@ -62,10 +63,22 @@ def private_copy(state: dict[str, Any], model: nn.Module, optimizer: torch.optim
     return {k: _private(v, live) if k in tensor_parts else copy.deepcopy(v) for k, v in state.items()}
 
 
-def lower_priority() -> None:
-    """Lower the calling thread's scheduling priority to :data:`WRITER_NICE` (Linux; elsewhere nothing)."""
-    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+def lower_priority() -> str:
+    """Lower the calling thread's scheduling priority: SCHED_IDLE (when :data:`WRITER_IDLE`), else nice
+    :data:`WRITER_NICE` (Linux; elsewhere nothing). Returns what was applied."""
+    if not hasattr(threading, "get_native_id"):
+        return "none"
+    tid = threading.get_native_id()
+    if WRITER_IDLE and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except OSError:  # not permitted or not per-thread here: the write goes on at the normal priority
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return "idle"
+        except OSError:  # not permitted here: try the nice value
             pass
+    if hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
+            return f"nice {WRITER_NICE}"
+        except OSError:  # not permitted: the write goes on at the normal priority
+            pass
+    return "none"
