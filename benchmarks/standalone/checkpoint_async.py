@@ -3,7 +3,6 @@
 
     python -m benchmarks.standalone.checkpoint_async --json benchmarks/reports/checkpoint_async.json
     python -m benchmarks.standalone.checkpoint_async --parts 3      # the pieces of one save, timed
-    python -m benchmarks.standalone.checkpoint_async --writer normal  # the background writer at normal priority
 
 In one process, after warm-up steps, rounds of three phases of ``--every`` steps each, interleaved:
 ``none`` (the steps alone), ``sync`` (a synchronous save, then the steps) and ``async`` (an asynchronous save, the
@@ -103,17 +102,10 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dir", default=None, help="checkpoint folder (default: a temporary one)")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--writer", choices=["idle", "nice", "normal"], default="idle",
-                        help="the background writer's priority: SCHED_IDLE (the library's default), nice 19, or "
-                             "the training's")
     parser.add_argument("--parts", type=int, default=0, metavar="N",
                         help="instead of the phases: time the pieces of a save N times after one step")
     args = parser.parse_args(argv)
 
-    from ipex_train.checkpoint import _staging
-
-    _staging.WRITER_IDLE = args.writer == "idle"
-    _staging.WRITER_NICE = 0 if args.writer == "normal" else _staging.WRITER_NICE
     torch.manual_seed(0)
     model = L.build(args.size, torch.float32, args.seq_len).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
@@ -162,7 +154,6 @@ def main(argv=None) -> int:
         "async_save_call_s": statistics.median(s for _, s in phases["async"]),
         "overhead_sync": statistics.median(t for t, _ in phases["sync"]) / none - 1,
         "overhead_async": statistics.median(t for t, _ in phases["async"]) / none - 1,
-        "writer": args.writer,
         "background_write_wall_s": [round(w, 3) for w, _ in writes],
         "background_write_cpu_s": [round(c, 3) for _, c in writes],
         "machine": ipex_train.info()["cpu"], "threads": torch.get_num_threads(),

@@ -106,7 +106,7 @@ class Checkpointer:
         every: :meth:`maybe_save` saves when the step is a multiple of it (None: only when ``final=True``).
         keep: how many complete checkpoints to keep (the latest); None keeps all.
         async_save: write in the background: ``save()`` builds the state dict (copying what shares memory with
-            the live model and optimizer), then a thread of lower priority writes it with
+            the live model and optimizer), then a thread writes it with
             ``torch.distributed.checkpoint.save`` while training goes on; a checkpoint counts once its write
             finished.
 
@@ -194,7 +194,6 @@ class Checkpointer:
 
     def _write(self, state: dict[str, Any], target: Path, step: int) -> None:
         try:
-            _staging.lower_priority()
             dcp.save(state, checkpoint_id=target, process_group=self._group, no_dist=not self._dist)
             self._publish(step)
         except BaseException as e:  # re-raised by wait() in the training thread

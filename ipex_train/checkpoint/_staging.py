@@ -1,4 +1,4 @@
-"""A private copy of a checkpoint's state for a background write, and the writer thread's priority.
+"""A private copy of a checkpoint's state for a background write.
 
 A background write must not see the training change what it writes, so the state dict handed to it may share no
 memory with the live model and optimizer. Most of it is new already: split bf16 weights are combined into new fp32
@@ -10,19 +10,11 @@ copy the checkpoint's size once more on the training thread.
 from __future__ import annotations
 
 import copy
-import os
-import threading
 from typing import Any
 
 import torch
 from torch import nn
 
-# The writer thread runs under SCHED_IDLE where Linux allows it (else at this nice value; both apply per thread):
-# on a machine whose cores all train, the write takes the time the training leaves idle (between ops, at Python
-# overhead) instead of an equal share of a core, which stalls every parallel region that has a thread on it.
-# Measured in benchmarks/standalone/checkpoint_async.py (docs/checkpoints.md).
-WRITER_NICE = 19
-WRITER_IDLE = True
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     local = getattr(t, "_local_tensor", None)  # a DTensor's shard on this rank
@@ -61,24 +53,3 @@ def private_copy(state: dict[str, Any], model: nn.Module, optimizer: torch.optim
     and every other part deep-copied (the scheduler's lists, the caller's data position)."""
     live = live_storages(model, optimizer)
     return {k: _private(v, live) if k in tensor_parts else copy.deepcopy(v) for k, v in state.items()}
-
-
-def lower_priority() -> str:
-    """Lower the calling thread's scheduling priority: SCHED_IDLE (when :data:`WRITER_IDLE`), else nice
-    :data:`WRITER_NICE` (Linux; elsewhere nothing). Returns what was applied."""
-    if not hasattr(threading, "get_native_id"):
-        return "none"
-    tid = threading.get_native_id()
-    if WRITER_IDLE and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            return "idle"
-        except OSError:  # not permitted here: try the nice value
-            pass
-    if hasattr(os, "setpriority"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
-            return f"nice {WRITER_NICE}"
-        except OSError:  # not permitted: the write goes on at the normal priority
-            pass
-    return "none"
