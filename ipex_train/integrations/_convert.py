@@ -1,5 +1,5 @@
-"""What the trainer integrations share: converting a model before its optimizers exist, and giving every process
-rank 0's exact fp32 weights."""
+"""What the trainer integrations share: converting a model before its optimizers exist, giving every process
+rank 0's exact fp32 weights, and the loop options the step inside backward cannot honour."""
 from __future__ import annotations
 
 import dataclasses
@@ -41,3 +41,23 @@ def broadcast_fp32_weights(model: nn.Module) -> None:
         if isinstance(value, torch.Tensor):
             torch.distributed.broadcast(value, src=0)
     model.load_state_dict(state)  # re-splits the fp32 values into top + residual
+
+
+def refuse_step_in_backward_options(owner: str, options: str, accumulation: tuple[str, int],
+                                    clipping: tuple[str, float | None], world_size: int) -> None:
+    """Raise ValueError for a trainer option ``step_in_backward`` cannot honour. Each backward steps and frees every
+    grad: no accumulation over several backwards, no clipping by the global grad norm, nothing left for DDP to
+    reduce. ``options`` names where the trainer's options live; ``accumulation`` and ``clipping`` are its
+    (option name, value)."""
+    (acc_name, acc), (clip_name, clip) = accumulation, clipping
+    if acc > 1:
+        raise ValueError(f"{owner}: step_in_backward makes each backward one optimizer step; {options}({acc_name}="
+                         f"{acc}) needs several backwards per step: set it to 1 or turn step_in_backward off")
+    if clip:
+        raise ValueError(f"{owner}: step_in_backward frees each grad inside backward, so clipping by the global grad "
+                         f"norm is impossible; {options}({clip_name}={clip}) asks for it: turn clipping or "
+                         "step_in_backward off")
+    if world_size > 1:
+        raise ValueError(f"{owner}: step_in_backward steps each parameter before DistributedDataParallel's "
+                         f"all-reduce; it cannot run with {world_size} processes: train in one process or turn it "
+                         "off")

@@ -46,7 +46,7 @@ from .. import config as _config
 from ..config import OptimizeConfig
 from ..frontend import optimize
 from ..optim import registry
-from ._convert import broadcast_fp32_weights, convert_model
+from ._convert import broadcast_fp32_weights, convert_model, refuse_step_in_backward_options
 
 __all__ = ["Trainer", "FUSED_OPTIM"]
 
@@ -159,16 +159,6 @@ def _resolve(args: transformers.TrainingArguments, user: OptimizeConfig) -> Opti
 
 
 def _check_step_in_backward(args: transformers.TrainingArguments) -> None:
-    # Each backward steps and frees every grad: no accumulation, no global-norm clipping, nothing for DDP to reduce.
-    if args.gradient_accumulation_steps > 1:
-        raise ValueError(f"Trainer: step_in_backward makes each backward one optimizer step; "
-                         f"TrainingArguments(gradient_accumulation_steps={args.gradient_accumulation_steps}) needs "
-                         "several backwards per step: set gradient_accumulation_steps=1 or turn step_in_backward off")
-    if args.max_grad_norm:
-        raise ValueError(f"Trainer: step_in_backward frees each grad inside backward, so clipping by the global grad "
-                         f"norm is impossible; TrainingArguments(max_grad_norm={args.max_grad_norm}) asks for it: "
-                         "set max_grad_norm=0 or turn step_in_backward off")
-    if args.world_size > 1:
-        raise ValueError(f"Trainer: step_in_backward steps each parameter before DistributedDataParallel's "
-                         f"all-reduce; it cannot run with {args.world_size} processes: train in one process or turn "
-                         "it off")
+    refuse_step_in_backward_options("Trainer", "TrainingArguments",
+                                    ("gradient_accumulation_steps", args.gradient_accumulation_steps),
+                                    ("max_grad_norm", args.max_grad_norm), args.world_size)

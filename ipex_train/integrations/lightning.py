@@ -39,7 +39,7 @@ except ImportError as e:  # optional; say what to install instead of a bare Modu
 from .. import config as _config
 from ..config import OptimizeConfig
 from ..frontend import optimize
-from ._convert import broadcast_fp32_weights, convert_model
+from ._convert import broadcast_fp32_weights, convert_model, refuse_step_in_backward_options
 
 __all__ = ["IpexTrainPrecision"]
 
@@ -110,17 +110,8 @@ class IpexTrainPrecision(Precision):
         return model, out, lr_schedulers
 
     def _check_trainer(self, trainer) -> None:
-        # Each backward steps and frees every grad: no accumulation, no clipping, nothing for DDP to reduce.
         if trainer is None or not self.config.step_in_backward:
             return
-        if trainer.accumulate_grad_batches > 1:
-            raise ValueError(f"IpexTrainPrecision: step_in_backward makes each backward one optimizer step; "
-                             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) needs several: "
-                             "turn one off")
-        if trainer.gradient_clip_val:
-            raise ValueError(f"IpexTrainPrecision: step_in_backward frees each grad inside backward, so "
-                             f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) cannot clip: leave it None or "
-                             "turn step_in_backward off")
-        if trainer.world_size > 1:
-            raise ValueError(f"IpexTrainPrecision: step_in_backward steps each parameter before DDP's all-reduce; "
-                             f"it cannot run with {trainer.world_size} processes")
+        refuse_step_in_backward_options("IpexTrainPrecision", "Trainer",
+                                        ("accumulate_grad_batches", trainer.accumulate_grad_batches),
+                                        ("gradient_clip_val", trainer.gradient_clip_val), trainer.world_size)
