@@ -54,6 +54,9 @@ row() {  # row MODEL THREADS; skipped once LIMIT_S (420) have passed, so that th
   [ "$rc" = 124 ] && echo "$1 at $2 threads: cut after ${MODEL_S:-60} s" | tee -a "$O/train.txt"
   return 0
 }
+# The patch-embedding route's op-level evidence (seconds): conv against GEMM at ViT stems.
+timeout 60 $PY -m benchmarks.studies.patch_embedding --threads "$T" --json "$O/patch_embedding_t$T.json" 2>&1 \
+  | grep -v "^W" | tee -a "$O/train.txt"
 for M in $MODELS; do row "$M" "$T"; done
 for M in ${FEW_THREADS_MODELS-bert_base}; do row "$M" "${FEW_THREADS:-4}"; done
 echo "total $(( $(date +%s) - start )) s" | tee -a "$O/env.txt"

@@ -26,7 +26,8 @@ Policies
     bf16 forward of these convs is the faster one, so no_grad/inference_mode forwards keep it.
     Hugging Face RMSNorm modules with exactly Llama's formula (:func:`routes_rms_norm`) run
     ``ipex_train.rms_norm`` on bf16 and fp32 CPU inputs: one fused pass per row forward and backward, the
-    forward bit-identical to the module's own (docs/compute_policy.md).
+    forward bit-identical to the module's own (docs/compute_policy.md). Patch embeddings (a plain ``nn.Conv2d``
+    whose stride equals its kernel, :func:`routes_patch_embedding`) run as one bf16 GEMM over the unfolded patches.
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
@@ -92,7 +93,7 @@ import torch
 
 from ..base import envvars as _envvars
 from ..base.choices import BF16_COMPUTE, parse_bf16_compute
-from . import _rms_norm
+from . import _patch_embed, _rms_norm
 from ._mode import _AttentionMode, _EmulationMode
 
 __all__ = [
@@ -104,6 +105,7 @@ __all__ = [
     "attach",
     "slow_bf16_depthwise",
     "calls_attention",
+    "routes_patch_embedding",
     "routes_rms_norm",
     "emulated_bf16",
     "ComputePolicyHandle",
@@ -308,6 +310,13 @@ def routes_rms_norm(module: torch.nn.Module) -> bool:
     return _rms_norm.routable(module)
 
 
+def routes_patch_embedding(module: torch.nn.Module) -> bool:
+    """Whether the native policy computes ``module`` as a GEMM over unfolded patches: a plain ``nn.Conv2d`` whose
+    stride equals its kernel (above 1), without padding, dilation or groups, whose forward is not already replaced on
+    the instance. Only its batched bf16 CPU inputs take the GEMM."""
+    return _patch_embed.routable(module)
+
+
 def attached(model: torch.nn.Module) -> ComputePolicyHandle | None:
     """The handle of the compute policy attached to ``model`` (by :func:`attach`), or None."""
     return _attached.get(model)
@@ -354,7 +363,9 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
             hooks.append(module.register_forward_hook(_leave_attention_hook, always_call=True))
         # Llama-family RMSNorm: ~10 autograd passes in torch ops, one fused pass per row here (docs/compute_policy.md).
         # An instance-level forward, deleted again by the handle's remove().
-        hooks.extend(_rms_norm.Swap(module) for module in model.modules() if routes_rms_norm(module))
+        hooks.extend(_rms_norm.swap(module) for module in model.modules() if routes_rms_norm(module))
+        # Patch embeddings (stride == kernel) as one GEMM over the unfolded patches (docs/compute_policy.md).
+        hooks.extend(_patch_embed.swap(module) for module in model.modules() if routes_patch_embedding(module))
     else:
         for module in scoped:
             hooks.append(module.register_forward_pre_hook(_enter_hook))

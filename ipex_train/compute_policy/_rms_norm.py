@@ -1,16 +1,13 @@
 """The native policy's routing of Hugging Face Llama-family RMSNorm modules to ``ipex_train.rms_norm``.
 
-The module's forward is swapped on the instance (the class is untouched) and the swap's ``remove()`` deletes the
-instance attribute again, so detaching leaves the module exactly as it was.
+The module's forward is swapped on the instance (:mod:`._swap`); the class is untouched.
 """
 from __future__ import annotations
-
-import types
-import weakref
 
 import torch
 
 from .. import rms_norm as _fused
+from ._swap import Swap
 
 # Hugging Face RMSNorm classes whose forward is exactly LlamaRMSNorm's (fp32 normalization, cast back to the input
 # dtype, then `self.weight * ...`), checked in the transformers 5.x source. Not Gemma's (`1 + weight`, computed in
@@ -29,7 +26,6 @@ def routable(module: torch.nn.Module) -> bool:
             and isinstance(getattr(module, "variance_epsilon", None), float))
 
 
-# Named `forward`: pickling a bound method stores getattr(module, "forward"), which then finds a name.
 def forward(self, hidden_states):
     """The routed forward: bf16 or fp32 CPU input through the fused kernel, any other through the class's own
     forward."""
@@ -38,18 +34,6 @@ def forward(self, hidden_states):
     return _fused.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-class Swap:
-    """The routed forward set on one module; ``remove()`` restores the class's (idempotent)."""
-
-    def __init__(self, module: torch.nn.Module):
-        module.forward = types.MethodType(forward, module)
-        self._module = weakref.ref(module)
-
-    def remove(self) -> None:
-        """Delete the instance-level forward, if it is still ours."""
-        module = self._module()
-        if module is None:
-            return
-        bound = vars(module).get("forward")
-        if isinstance(bound, types.MethodType) and bound.__func__ is forward:
-            del module.forward
+def swap(module: torch.nn.Module) -> Swap:
+    """Route ``module`` (see :func:`routable`) through the forward above; the handle's ``remove()`` undoes it."""
+    return Swap(module, forward)
