@@ -8,7 +8,7 @@ Run from the repository root (on a quiet machine)::
 
 Inputs are in Hugging Face's layout ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)); each time is the
 best of ``--rounds`` rounds of ``--repeats`` calls, the variants interleaved round by round. FLOPs: 3.5x the forward's
-two products (4 b h s^2 d), halved when causal; "roof" is a 2048^3 bf16 matmul (best of 10) timed in the same run.
+two products (4 b h s^2 d), halved when causal; "roof" is a 2048^3 bf16 matmul timed in each row's rounds.
 ``--memory`` runs, in a fresh process, forward + backward of b1 h4 s16384 d64 causal attention and reports the growth
 of the peak resident set over the inputs.
 """
@@ -90,23 +90,34 @@ def _route(b, h, hk, s, d, causal) -> str:
     return "tiles" if attention._use_tiles(q, k, k, causal) else "rows"
 
 
+ROOF_N = 2048
+
+
+def _roof_call():
+    a, b = torch.randn(ROOF_N, ROOF_N).to(BF16), torch.randn(ROOF_N, ROOF_N).to(BF16)
+    return lambda: a @ b
+
+
 def measure(shapes, rounds: int, repeats: int) -> dict:
-    """Rows of the table: ms per variant, GFLOP/s and share of the roof measured before the shapes."""
+    """Rows of the table: ms per variant, GFLOP/s and share of the roof. The roof (a 2048^3 bf16 matmul) is timed
+    inside each row's interleaved rounds, beside the attention calls: this VM's matmul rate moved by up to 1.7x
+    between minutes of one run, so a roof timed once before the shapes misstated the shares."""
     roof = matmul_roof_gflops()
-    print(f"bf16 matmul roof {roof:.0f} GFLOP/s", flush=True)
+    print(f"bf16 matmul roof {roof:.0f} GFLOP/s (before the rows)", flush=True)
     rows = []
     for shape in shapes:
         b, h, hk, s, d, p, causal = shape
-        best = best_of_rounds(_variants(*shape), rounds=rounds, repeats=repeats)
+        best = best_of_rounds({**_variants(*shape), "roof": _roof_call()}, rounds=rounds, repeats=repeats)
+        row_roof = 2 * ROOF_N ** 3 / best.pop("roof") / 1e9
         flops = 4 * b * h * s * s * d * 3.5 * (0.5 if causal else 1.0)
         ms = {name: 1e3 * sec for name, sec in best.items()}
-        share = {name: flops / (sec * 1e9) / roof for name, sec in best.items()}
+        share = {name: flops / (sec * 1e9) / row_roof for name, sec in best.items()}
         row = {"batch": b, "heads": h, "kv_heads": hk, "seq": s, "head_dim": d, "dropout": p, "causal": causal,
-               "route": _route(b, h, hk, s, d, causal), "ms": ms, "roof_share": share,
+               "route": _route(b, h, hk, s, d, causal), "ms": ms, "roof_gflops": row_roof, "roof_share": share,
                "speedup_vs_torch": best["torch"] / best["ipex_train"]}
         rows.append(row)
         cells = "  ".join(f"{name} {ms[name]:8.2f} ms ({100 * share[name]:4.1f}%)" for name in ms)
-        print(f"b{b} h{h} kv{hk} s{s} d{d} p{p} causal={causal} -> {row['route']}: {cells}; "
+        print(f"b{b} h{h} kv{hk} s{s} d{d} p{p} causal={causal} -> {row['route']} (roof {row_roof:.0f}): {cells}; "
               f"{row['speedup_vs_torch']:.2f}x torch", flush=True)
     return {"roof_gflops": roof, "rows": rows}
 

@@ -194,6 +194,7 @@ void reduce_dq(const flash::Args& a, int64_t chunks, at::Tensor& dq) {
     for (int64_t x = begin; x < end; ++x) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t c = 0; c < chunks; ++c) {
+        if (!a.dq_written[c * tiles + x]) continue;  // no key of chunk c reaches these queries
         const float* part = a.dq_part + (c * tiles + x) * a.d * kBM;
         for (int64_t i = 0; i < a.d * kBM; ++i) acc[i] += part[i];
       }
@@ -297,7 +298,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
   const int64_t ntm = (a.s + kBM - 1) / kBM, ntn = (a.t + kBN - 1) / kBN;
   a.chunk_tiles = chunk_tiles(ntn);
   const int64_t chunks = (ntn + a.chunk_tiles - 1) / a.chunk_tiles;
-  at::Tensor dq_part = at::zeros({chunks * a.b * a.hq * ntm * a.d * kBM}, q.options().dtype(at::kFloat));
+  // Not zero-filled: each chunk's first product into a query tile stores, and dq_written says which were written.
+  at::Tensor dq_part = at::empty({chunks * a.b * a.hq * ntm * a.d * kBM}, q.options().dtype(at::kFloat));
+  at::Tensor dq_written = at::zeros({chunks * a.b * a.hq * ntm}, q.options().dtype(at::kByte));
   a.q = bits(q);
   a.k = bits(k);
   a.v = bits(v);
@@ -309,6 +312,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
   a.lse = const_cast<float*>(lse.const_data_ptr<float>());  // read only in backward
   a.delta = delta.const_data_ptr<float>();
   a.dq_part = dq_part.data_ptr<float>();
+  a.dq_written = dq_written.data_ptr<uint8_t>();
   a.dk_out = bits_mut(dk);
   a.dv_out = bits_mut(dv);
   const flash::Tasks& tasks = flash_tasks();

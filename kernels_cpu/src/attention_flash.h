@@ -30,6 +30,9 @@ struct Args {
   // dQ^T per chunk of key tiles: [chunks][B * Hq][query tiles][D][BM] fp32, zeroed by the host, which adds the
   // chunks in order.
   float* dq_part;
+  // One flag per (chunk, query tile) of dq_part: set once the chunk wrote that tile (its first product stores,
+  // later ones add), so no share is zero-filled and the host sums only written shares.
+  uint8_t* dq_written;
   int64_t chunk_tiles;
   // Additive fp32 mask [B, Hq, S, T] by strides (last stride 1), or null.
   const float* mask;

@@ -346,8 +346,9 @@ void backward_key_tile(const Args& a, int64_t bi, int64_t hk, int64_t jt, int64_
       gemm(PT, kBM, keys, a.g_r + tile * kBM * a.dv, 2 * a.dv, a.dv, kBM / 2, dV, a.dv, true);
       gemm(dST, kBM, keys, a.q_r + tile * kBM * a.d, 2 * a.d, a.d, kBM / 2, dK, a.d, true);
       interleave_keys(dST, keys, dSTi);
-      float* dqt = a.dq_part + (chunk * a.b * a.hq * ntm + tile) * a.d * kBM;
-      gemm(kt, kBN, a.d, dSTi, 2 * kBM, kBM, kBN / 2, dqt, kBM, true);
+      const int64_t part = chunk * a.b * a.hq * ntm + tile;
+      gemm(kt, kBN, a.d, dSTi, 2 * kBM, kBM, kBN / 2, a.dq_part + part * a.d * kBM, kBM, a.dq_written[part] != 0);
+      a.dq_written[part] = 1;
     }
   }
   const int64_t first = (bi * a.hk + hk) * a.t + j0;
