@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ipex_train import compute_policy
 
@@ -61,11 +62,43 @@ def _build(model_name: str, variant_name: str):
     return step, dtype, params
 
 
+class _CopyCounter(TorchDispatchMode):
+    """Counts the copies of one step at the top of ATen's dispatch (autograd's backward included; not the copies an
+    op makes inside its own kernel): ``copy_`` (in-place copies and casts), ``_to_copy`` (casts) and ``clone``
+    (``.contiguous()`` of permuted heads and the like), with the bytes each writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"copy_": 0, "_to_copy": 0, "clone": 0}
+        self.bytes = {"copy_": 0, "_to_copy": 0, "clone": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in self.calls:
+            self.calls[name] += 1
+            target = out if isinstance(out, torch.Tensor) else args[0]
+            self.bytes[name] += target.numel() * target.element_size()
+        return out
+
+
+def count_copies(step, x, y) -> dict | None:
+    """Copies and casts of one (untimed) step: calls and MiB per kind; None where the step cannot run under a
+    dispatch mode (compiled steps)."""
+    counter = _CopyCounter()
+    try:
+        with counter:
+            step(x, y)
+    except Exception:  # noqa: BLE001 -- a compiled graph may refuse the mode; the count is then unknown, not wrong
+        return None
+    return {name: {"calls": counter.calls[name], "mib": counter.bytes[name] / 2**20} for name in counter.calls}
+
+
 def worker(model_name: str, variant_name: str, pin_malloc: bool = False) -> None:
     """Serve train steps of one (model, variant) over stdin/stdout, one JSON line per reply.
 
     Replies: a "ready" line after setup; per "step" request ``{"loss", "time_s", "cpu_s"}`` (wall and process CPU
-    seconds); on EOF the process's peak RSS.
+    seconds); on EOF the process's peak RSS, then the copies and casts of one more (untimed) step.
     """
     pinned = pin_mmap_threshold() if pin_malloc else False
     step, dtype, params = _build(model_name, variant_name)
@@ -79,7 +112,9 @@ def worker(model_name: str, variant_name: str, pin_malloc: bool = False) -> None
         loss = step(x, y)
         print(json.dumps({"loss": loss, "time_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}),
               flush=True)
-    print(json.dumps({"peak_rss_mb": _rss_mb()}), flush=True)
+    peak = _rss_mb()
+    x, y = data[0]
+    print(json.dumps({"peak_rss_mb": peak, "copies_per_step": count_copies(step, x, y)}), flush=True)
 
 
 def _command(threads: int | None, *args: str) -> list[str]:

@@ -365,6 +365,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['step_gflop'] / r['median_step_s']:.0f} GFLOP/s = {100 * r['share_of_bf16_roof']:.1f}% of the "
                   f"bf16 matmul roof measured in this run ({r['roof_gflops']:.0f} GFLOP/s, 2048^3); its products "
                   f"alone in bf16: {r['gemm_only_s']:.3f} s = {100 * r['gemm_only_share_of_roof']:.1f}% (the bound)")
+    for r in results:
+        copies = r.get("copies_per_step")
+        if copies:
+            print(f"{r['model']}/{r['variant']}: copies per step (one untimed step, as ATen sees them): "
+                  + ", ".join(f"{name} {c['calls']} calls / {c['mib']:.0f} MiB" for name, c in copies.items()))
     targets = _targets(results, by_model_fp32) + _agreement_targets(agreement)
     print_targets(targets)
     load = os.getloadavg()
