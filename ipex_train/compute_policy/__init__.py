@@ -26,7 +26,9 @@ Policies
     bf16 forward of these convs is the faster one, so no_grad/inference_mode forwards keep it.
     Hugging Face RMSNorm modules with exactly Llama's formula (:func:`routes_rms_norm`) run
     ``ipex_train.rms_norm`` on bf16 and fp32 CPU inputs: one fused pass per row forward and backward, the
-    forward bit-identical to the module's own (docs/compute_policy.md).
+    forward bit-identical to the module's own (docs/compute_policy.md). peft ``lora.Linear`` layers
+    (:func:`routes_lora`) run plain LoRA calls through ``ipex_train.lora``, one autograd node that sums the
+    adapter's product into the base output in the matmul; any other call runs peft's own forward.
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
@@ -92,7 +94,7 @@ import torch
 
 from ..base import envvars as _envvars
 from ..base.choices import BF16_COMPUTE, parse_bf16_compute
-from . import _rms_norm
+from . import _lora, _rms_norm
 from ._mode import _AttentionMode, _EmulationMode
 
 __all__ = [
@@ -105,6 +107,7 @@ __all__ = [
     "slow_bf16_depthwise",
     "calls_attention",
     "routes_rms_norm",
+    "routes_lora",
     "emulated_bf16",
     "ComputePolicyHandle",
 ]
@@ -237,7 +240,7 @@ class ComputePolicyHandle:
     def active(self) -> bool:
         """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs, in
         models that call attention (:func:`calls_attention`) to route it to ``ipex_train.attention``, and on the
-        RMSNorm modules it routes (:func:`routes_rms_norm`))."""
+        RMSNorm modules and LoRA layers it routes (:func:`routes_rms_norm`, :func:`routes_lora`))."""
         return bool(self._hooks)
 
     def remove(self) -> None:
@@ -308,6 +311,14 @@ def routes_rms_norm(module: torch.nn.Module) -> bool:
     return _rms_norm.routable(module)
 
 
+def routes_lora(module: torch.nn.Module) -> bool:
+    """Whether the native policy routes ``module``'s calls to ``ipex_train.lora``: a peft ``lora.Linear`` over a plain
+    ``nn.Linear`` whose forward is not already replaced on the instance. Each call still takes the fused path only
+    when it is plain LoRA on CPU tensors of one dtype (bf16 or fp32), else peft's own forward
+    (docs/compute_policy.md)."""
+    return _lora.routable(module)
+
+
 def attached(model: torch.nn.Module) -> ComputePolicyHandle | None:
     """The handle of the compute policy attached to ``model`` (by :func:`attach`), or None."""
     return _attached.get(model)
@@ -322,7 +333,8 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     only around the depthwise convs of :func:`slow_bf16_depthwise`, and, in models that call attention
     (:func:`calls_attention`), routes ``F.scaled_dot_product_attention`` to ``ipex_train.attention`` over the same
     scope as "emulated"; it also runs the Hugging Face RMSNorm modules of :func:`routes_rms_norm` through
-    ``ipex_train.rms_norm`` (an instance-level forward, removed on detach). Attaching again returns the
+    ``ipex_train.rms_norm`` and the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora`` (instance-level
+    forwards, removed on detach). Attaching again returns the
     existing handle for the same policy, or replaces a different one.
     """
     if policy not in POLICIES:
@@ -355,6 +367,9 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
         # Llama-family RMSNorm: ~10 autograd passes in torch ops, one fused pass per row here (docs/compute_policy.md).
         # An instance-level forward, deleted again by the handle's remove().
         hooks.extend(_rms_norm.Swap(module) for module in model.modules() if routes_rms_norm(module))
+        # peft LoRA layers: the adapter's product summed into the base output by the matmul, no elementwise passes
+        # over the output (docs/compute_policy.md).
+        hooks.extend(_lora.Swap(module) for module in model.modules() if routes_lora(module))
     else:
         for module in scoped:
             hooks.append(module.register_forward_pre_hook(_enter_hook))

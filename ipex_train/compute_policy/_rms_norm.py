@@ -39,10 +39,13 @@ def forward(self, hidden_states):
 
 
 class Swap:
-    """The routed forward set on one module; ``remove()`` restores the class's (idempotent)."""
+    """The routed forward set on one module; ``remove()`` restores the class's (idempotent). Other module routes
+    subclass it with their own ``_function`` (a module-level function named ``forward``)."""
+
+    _function = staticmethod(forward)
 
     def __init__(self, module: torch.nn.Module):
-        module.forward = types.MethodType(forward, module)
+        module.forward = types.MethodType(self._function, module)
         self._module = weakref.ref(module)
 
     def remove(self) -> None:
@@ -51,5 +54,5 @@ class Swap:
         if module is None:
             return
         bound = vars(module).get("forward")
-        if isinstance(bound, types.MethodType) and bound.__func__ is forward:
+        if isinstance(bound, types.MethodType) and bound.__func__ is self._function:
             del module.forward
