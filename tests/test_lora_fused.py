@@ -330,3 +330,29 @@ def test_optimized_llama_trains_like_peft(checkpointing, step_in_backward, calls
     assert losses[-1] < losses[0] - 0.05
     for got, ref in zip(losses, reference):
         assert abs(got - ref) <= 2e-2 * abs(ref)
+
+
+def test_routed_layers_compile_without_graph_break(calls):
+    model = _peft_mlp()
+    cp.attach(model, "native")
+    x = _x()
+    ref = model(x)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(model)(x).graph_break_count == 0
+    out = torch.compile(model, backend="aot_eager")(x)  # traces the Function forward and backward; no codegen
+    assert torch.equal(out, ref)
+    out.float().sum().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_tensor_subclass_falls_back(calls):
+    class Tagged(torch.Tensor):
+        pass
+
+    model = _peft_mlp()
+    cp.attach(model, "native")
+    x = _x().as_subclass(Tagged)
+    out = model(x)
+    assert calls[0] == 0 and not fused.supports(x, *[torch.ones(1)] * 4)
+    cp.attached(model).remove()
+    assert torch.equal(out, model(x))

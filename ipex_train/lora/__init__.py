@@ -4,10 +4,10 @@ Why
 ---
 peft's ``lora.Linear`` computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling``: besides the three matmuls, an
 elementwise multiply and an add over the whole (tokens x out_features) output forward, and again in backward (the
-multiply's backward and the sum of the two gradients of ``x``). On a 100M-parameter Llama at sequence 2048 those
-passes took ~100-150 ms of a ~2.9 s LoRA step. Here the adapter's product is accumulated into the base output by
-the matmul itself (``addmm_`` with ``alpha=scaling``) and ``grad_x`` likewise, so the extra passes touch only
-(tokens x rank) tensors. docs/compute_policy.md has the measurements.
+multiply's backward and the sum of the two gradients of ``x``). Here the adapter's product is accumulated into the
+base output by the matmul itself (``addmm_`` with ``alpha=scaling``) and ``grad_x`` likewise, so the extra passes
+touch only (tokens x rank) tensors: ~10 ms less per decoder layer of a 100M-parameter Llama at sequence 2048, a few
+percent of its LoRA step (docs/compute_policy.md).
 
 The ``bf16`` native compute policy of ``ipex_train.optimize`` routes peft's ``lora.Linear`` layers here when the
 call computes exactly this formula (``ipex_train.compute_policy``).
@@ -23,11 +23,14 @@ _DTYPES = (torch.bfloat16, torch.float32)
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
              lora_b: torch.Tensor) -> bool:
-    """Whether :func:`lora_linear` takes these tensors: all on the CPU, all of one dtype, bf16 or fp32 (mixed
-    dtypes are left to the caller: peft casts ``x`` to the adapter's dtype and promotes the sum), ``weight``
-    (out, in), ``lora_a`` (r, in), ``lora_b`` (out, r), ``bias`` None or (out,), and ``x`` of last dimension in."""
+    """Whether :func:`lora_linear` takes these tensors: plain tensors (no subclass) on the CPU, all of one dtype,
+    bf16 or fp32 (mixed dtypes are left to the caller: peft casts ``x`` to the adapter's dtype and promotes the sum),
+    ``weight`` (out, in), ``lora_a`` (r, in), ``lora_b`` (out, r), ``bias`` None or (out,), and ``x`` of last
+    dimension in."""
     tensors = (x, weight, lora_a, lora_b) if bias is None else (x, weight, lora_a, lora_b, bias)
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
+    # Plain tensors only: a subclass (DTensor, a quantized or offloaded weight) has semantics of its own for the
+    # in-place addmm_ and views used here, which peft's F.linear calls may not share.
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors):
         return False
     dtype = x.dtype
     if dtype not in _DTYPES or any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
