@@ -5,9 +5,10 @@ Tolerances, bf16 tensors, against the formula in fp32 autograd on the same bf16 
 largest magnitude: the output within 2**-7 (the base product is rounded to bf16 once and the sum once more; peft
 rounds after lora_B, after ``* scaling`` and after ``+``); grad_x within 2**-7 (the same two roundings);
 grad_weight, grad_bias, grad_lora_a, grad_lora_b within 2**-7 (one bf16 rounding of an fp32-accumulated matmul, plus
-one of the (tokens x r) ``grad_h * scaling`` for grad_lora_a and of the product for grad_lora_b). Measured ~2**-9.
-peft's own bf16 forward is held to the same reference within 2**-6 (it rounds more), and the routed model against
-peft's unrouted one within 2**-6 plus bf16 noise. fp32 tensors: within 1e-5 of a float64 reference.
+one of the (tokens x r) ``grad_h * scaling`` for grad_lora_a and of the product for grad_lora_b). Measured 2**-8 at
+worst. peft's own bf16 ops are held to the same reference within 2**-6 (they round more; measured 2**-7.3), and the
+routed layer against peft's unrouted one within 2**-6. fp32 tensors: within 2e-6 of a float64 reference (a few fp32
+ulps of the matmuls' sums; measured ~3e-7).
 """
 import io
 import pickle
@@ -75,7 +76,7 @@ def test_fp32_against_float64():
     got = _run(lora_linear, x, w, b, a, bb, gy, 0.5)
     ref = _run(_formula, x, w, b, a, bb, gy, 0.5, dtype=torch.float64)
     for g, r in zip(got, ref):
-        assert g.dtype == torch.float32 and _rel(g, r) <= 1e-5
+        assert g.dtype == torch.float32 and _rel(g, r) <= 2e-6
 
 
 def test_only_requested_grads_and_no_grad():
