@@ -54,10 +54,11 @@ ALLOWED = {
     "optim": {"base"},  # the optimizers, their fused steps and state formats
     "attention": {"base"},  # kernels with their torch ops
     "rms_norm": {"base"},
+    "lora": {"base"},
     "xpu": {"base", "optim"},  # the same steps on SYCL queues
     "inference": {"base"},  # folding, export (TorchScript, AOTInductor)
     "precision": {"base"},  # what goes low precision, casts, master weights, channels-last, the optimize() record
-    "compute_policy": {"base", "attention", "rms_norm"},  # how bf16 ops are computed, and the routes to our kernels
+    "compute_policy": {"base", "attention", "rms_norm", "lora"},  # how bf16 ops are computed; routes to our kernels
     "config": {"base"},  # OptimizeConfig
     "training": {"base", "optim", "precision"},  # the returned optimizer, the step inside backward
     "distributed": {"base", "optim", "precision", "training"},  # FSDP2

@@ -28,6 +28,9 @@ Policies
     ``ipex_train.rms_norm`` on bf16 and fp32 CPU inputs: one fused pass per row forward and backward, the
     forward bit-identical to the module's own (docs/compute_policy.md). Patch embeddings (a plain ``nn.Conv2d``
     whose stride equals its kernel, :func:`routes_patch_embedding`) run as one bf16 GEMM over the unfolded patches.
+    peft ``lora.Linear`` layers (:func:`routes_lora`) run plain LoRA calls through ``ipex_train.lora``, one
+    autograd node that sums the adapter's product into the base output in the matmul; any other call runs peft's own
+    forward.
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
@@ -93,7 +96,7 @@ import torch
 
 from ..base import envvars as _envvars
 from ..base.choices import BF16_COMPUTE, parse_bf16_compute
-from . import _patch_embed, _rms_norm
+from . import _lora, _patch_embed, _rms_norm
 from ._mode import _AttentionMode, _EmulationMode
 
 __all__ = [
@@ -107,6 +110,7 @@ __all__ = [
     "calls_attention",
     "routes_patch_embedding",
     "routes_rms_norm",
+    "routes_lora",
     "emulated_bf16",
     "ComputePolicyHandle",
 ]
@@ -239,7 +243,7 @@ class ComputePolicyHandle:
     def active(self) -> bool:
         """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs, in
         models that call attention (:func:`calls_attention`) to route it to ``ipex_train.attention``, and on the
-        RMSNorm modules it routes (:func:`routes_rms_norm`))."""
+        RMSNorm modules and LoRA layers it routes (:func:`routes_rms_norm`, :func:`routes_lora`))."""
         return bool(self._hooks)
 
     def remove(self) -> None:
@@ -317,6 +321,14 @@ def routes_patch_embedding(module: torch.nn.Module) -> bool:
     return _patch_embed.routable(module)
 
 
+def routes_lora(module: torch.nn.Module) -> bool:
+    """Whether the native policy routes ``module``'s calls to ``ipex_train.lora``: a peft ``lora.Linear`` over a plain
+    ``nn.Linear`` whose forward is not already replaced on the instance. Each call still takes the fused path only
+    when it is plain LoRA on CPU tensors of one dtype (bf16 or fp32), else peft's own forward
+    (docs/compute_policy.md)."""
+    return _lora.routable(module)
+
+
 def attached(model: torch.nn.Module) -> ComputePolicyHandle | None:
     """The handle of the compute policy attached to ``model`` (by :func:`attach`), or None."""
     return _attached.get(model)
@@ -331,7 +343,8 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     only around the depthwise convs of :func:`slow_bf16_depthwise`, and, in models that call attention
     (:func:`calls_attention`), routes ``F.scaled_dot_product_attention`` to ``ipex_train.attention`` over the same
     scope as "emulated"; it also runs the Hugging Face RMSNorm modules of :func:`routes_rms_norm` through
-    ``ipex_train.rms_norm`` (an instance-level forward, removed on detach). Attaching again returns the
+    ``ipex_train.rms_norm`` and the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora`` (instance-level
+    forwards, removed on detach). Attaching again returns the
     existing handle for the same policy, or replaces a different one.
     """
     if policy not in POLICIES:
@@ -366,6 +379,9 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
         hooks.extend(_rms_norm.swap(module) for module in model.modules() if routes_rms_norm(module))
         # Patch embeddings (stride == kernel) as one GEMM over the unfolded patches (docs/compute_policy.md).
         hooks.extend(_patch_embed.swap(module) for module in model.modules() if routes_patch_embedding(module))
+        # peft LoRA layers: the adapter's product summed into the base output by the matmul, no elementwise passes
+        # over the output (docs/compute_policy.md).
+        hooks.extend(_lora.swap(module) for module in model.modules() if routes_lora(module))
     else:
         for module in scoped:
             hooks.append(module.register_forward_pre_hook(_enter_hook))
