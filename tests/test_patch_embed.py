@@ -157,3 +157,56 @@ def test_emulated_policy_does_not_route():
     model, _ = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype=BF16,
                                    bf16_compute="emulated")
     assert "forward" not in vars(model.patch)
+
+
+def _vits():
+    import torchvision
+
+    transformers = pytest.importorskip("transformers")
+    tv = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=1, num_heads=2, hidden_dim=32,
+                                              mlp_dim=64, num_classes=10)
+    hf = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=32, patch_size=8, num_hidden_layers=1, num_attention_heads=2, hidden_size=32, intermediate_size=64,
+        num_labels=10))
+    return [("torchvision", tv, lambda m, x: m(x)), ("transformers", hf, lambda m, x: m(pixel_values=x).logits)]
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_library_vits_route_their_patch_embedding(index):
+    # Models nobody here wrote: torchvision's VisionTransformer (conv_proj) and Hugging Face's ViT (projection).
+    torch.manual_seed(0)
+    name, model, call = _vits()[index]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model, opt = ipex_train.optimize(model.train(), torch.optim.SGD(model.parameters(), lr=0.05), dtype=BF16,
+                                     bf16_compute="native")
+    routed = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d) and "forward" in vars(m)]
+    assert len(routed) == 1, name
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    emb, xb = routed[0], x.to(BF16)
+    conv = F.conv2d(xb, emb.weight, emb.bias, stride=emb.stride)
+    assert (emb(xb).float() - conv.float()).abs().max().item() <= 1e-2 * conv.float().abs().max().item(), name
+    y = torch.tensor([1, 7])
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = F.cross_entropy(call(model, x).float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # The same model with only that route removed.
+    _, plain, _ = _vits()[index]
+    plain.load_state_dict(state)
+    plain, opt2 = ipex_train.optimize(plain.train(), torch.optim.SGD(plain.parameters(), lr=0.05), dtype=BF16,
+                                      bf16_compute="native")
+    for m in plain.modules():
+        if isinstance(m, torch.nn.Conv2d) and "forward" in vars(m):
+            del m.forward
+    ref = []
+    for _ in range(2):
+        opt2.zero_grad()
+        loss = F.cross_entropy(call(plain, x).float(), y)
+        loss.backward()
+        opt2.step()
+        ref.append(loss.item())
+    for a, b in zip(losses, ref):
+        assert abs(a - b) <= 2e-2 * abs(b), (name, losses, ref)
