@@ -243,7 +243,8 @@ class ComputePolicyHandle:
     def active(self) -> bool:
         """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs, in
         models that call attention (:func:`calls_attention`) to route it to ``ipex_train.attention``, and on the
-        RMSNorm modules and LoRA layers it routes (:func:`routes_rms_norm`, :func:`routes_lora`))."""
+        RMSNorm modules, LoRA layers and patch embeddings it routes (:func:`routes_rms_norm`, :func:`routes_lora`,
+        :func:`routes_patch_embedding`))."""
         return bool(self._hooks)
 
     def remove(self) -> None:
@@ -343,9 +344,9 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     only around the depthwise convs of :func:`slow_bf16_depthwise`, and, in models that call attention
     (:func:`calls_attention`), routes ``F.scaled_dot_product_attention`` to ``ipex_train.attention`` over the same
     scope as "emulated"; it also runs the Hugging Face RMSNorm modules of :func:`routes_rms_norm` through
-    ``ipex_train.rms_norm`` and the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora`` (instance-level
-    forwards, removed on detach). Attaching again returns the
-    existing handle for the same policy, or replaces a different one.
+    ``ipex_train.rms_norm``, the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora`` and the patch
+    embeddings of :func:`routes_patch_embedding` as one GEMM (instance-level forwards, removed on detach). Attaching
+    again returns the existing handle for the same policy, or replaces a different one.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not one of {', '.join(POLICIES)} (use resolve() to pick one)")
