@@ -171,6 +171,17 @@ def _vits():
     return [("torchvision", tv, lambda m, x: m(x)), ("transformers", hf, lambda m, x: m(pixel_values=x).logits)]
 
 
+def _steps(model, opt, call, x, y, steps=2):
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(call(model, x).float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("index", [0, 1])
 def test_library_vits_route_their_patch_embedding(index):
     # Models nobody here wrote: torchvision's VisionTransformer (conv_proj) and Hugging Face's ViT (projection).
@@ -186,13 +197,7 @@ def test_library_vits_route_their_patch_embedding(index):
     conv = F.conv2d(xb, emb.weight, emb.bias, stride=emb.stride)
     assert (emb(xb).float() - conv.float()).abs().max().item() <= 1e-2 * conv.float().abs().max().item(), name
     y = torch.tensor([1, 7])
-    losses = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = F.cross_entropy(call(model, x).float(), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _steps(model, opt, call, x, y)
     # The same model with only that route removed.
     _, plain, _ = _vits()[index]
     plain.load_state_dict(state)
@@ -201,12 +206,6 @@ def test_library_vits_route_their_patch_embedding(index):
     for m in plain.modules():
         if isinstance(m, torch.nn.Conv2d) and "forward" in vars(m):
             del m.forward
-    ref = []
-    for _ in range(2):
-        opt2.zero_grad()
-        loss = F.cross_entropy(call(plain, x).float(), y)
-        loss.backward()
-        opt2.step()
-        ref.append(loss.item())
+    ref = _steps(plain, opt2, call, x, y)
     for a, b in zip(losses, ref):
         assert abs(a - b) <= 2e-2 * abs(b), (name, losses, ref)
