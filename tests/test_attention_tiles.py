@@ -1,6 +1,7 @@
 """The tiled attention kernel (ipex_train.attention, torch.ops.ipex_train.attention_flash_*) against fp32 torch
 attention, forward and the three gradients, at lengths around the tile size and long ones; its bits at 1, 2 and 3
-threads; its dropout mask against the row kernel's.
+threads; its dropout mask against the row kernel's. Every test runs with both products of the AVX-512 BF16 tiles
+(oneDNN's batch-reduce GEMM, where it runs here, and the tiles' own dot-product loops).
 
 Tolerances: the products take bf16 operands with fp32 accumulation, the softmax is fp32, and the probabilities and
 dS are rounded to bf16 once each before their products (as in torch's bf16 attention). Against fp32 SDPA on the same
@@ -24,6 +25,17 @@ TOL = 2e-2
 pytestmark = pytest.mark.skipif(not _ops.cpu_features().get("avx512_bf16", False),
                                 reason="the tiled kernel runs at speed only with AVX-512 BF16 (tested below via the "
                                        "portable build too)")
+
+
+PRODUCTS = ["own"] + (["onednn"] if _op.tile_products() == "onednn" else [])
+
+
+@pytest.fixture(autouse=True, params=PRODUCTS)
+def products(request):
+    before = _op.tile_products()
+    _op.tile_products(request.param)
+    yield request.param
+    _op.tile_products(before)
 
 
 def _qkv(b, hq, hk, s, t, d, dv=None, seed=0):
@@ -180,6 +192,27 @@ def test_portable_build_agrees(variant):
     assert torch.equal(got[0] == 0, portable[0] == 0)
     for a, b in zip(got, portable):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_onednn_products_run_here():
+    # Where AVX-512 BF16 is (this module's condition), oneDNN's micro-kernel passes its exactness check: a failed
+    # check would leave the default on the tiles' own products and the parametrization above on those only.
+    assert PRODUCTS == ["own", "onednn"]
+
+
+def test_products_agree_and_choice_is_checked(products):
+    q, k, v = _qkv(2, 4, 2, 200, 200, 96)
+    g = torch.randn(2, 4, 200, 96)
+    got = _grads(lambda q, k, v: _flash(q, k, v, causal=True), q, k, v, g)
+    other = "own" if products == "onednn" else PRODUCTS[-1]
+    _op.tile_products(other)
+    assert _op.tile_products() == other
+    again = _grads(lambda q, k, v: _flash(q, k, v, causal=True), q, k, v, g)
+    for a, b in zip(got, again):  # the same sums in another order: bf16 outputs within a rounding or two
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="'onednn' or 'own'"):
+        _op.tile_products("mkl")
+    assert _op.tile_products() == other  # a refused choice changes nothing
 
 
 def test_torch_compile_full_graph():

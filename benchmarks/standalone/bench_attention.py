@@ -6,6 +6,7 @@ Run from the repository root (on a quiet machine)::
 
     python -m benchmarks.standalone.bench_attention [--threads 2] [--set issue|short|all] [--memory] [--json out.json]
 
+"tiles_own" is the tiled kernel on its own dot-product loops where it otherwise runs oneDNN's micro-kernel.
 Inputs are in Hugging Face's layout ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)); each time is the
 best of ``--rounds`` rounds of ``--repeats`` calls, the variants interleaved round by round. FLOPs: 3.5x the forward's
 two products (4 b h s^2 d), halved when causal; "roof" is a 2048^3 bf16 matmul timed in each row's rounds.
@@ -78,9 +79,21 @@ def _variants(b, h, hk, s, d, p, causal):
                 "torch": run(F.scaled_dot_product_attention)}
     if attention._tiles_run(q, v):
         variants["tiles"] = run(forced(_op.flash_forward))
+        if _op.tile_products() == "onednn":  # the tiles on their own products, for the comparison
+            variants["tiles_own"] = _own_products(run(forced(_op.flash_forward)))
     if s <= attention.ROWS_MAX_KEYS:
         variants["rows"] = run(forced(_op.forward))
     return variants
+
+
+def _own_products(call):
+    def own():
+        _op.tile_products("own")
+        try:
+            call()
+        finally:
+            _op.tile_products("onednn")
+    return own
 
 
 def _route(b, h, hk, s, d, causal) -> str:
@@ -175,7 +188,8 @@ def main(argv=None) -> None:
     report = measure(SETS[args.set], args.rounds, args.repeats)
     if args.memory:
         report["memory"] = measure_memory()
-    report["meta"] = {"threads": torch.get_num_threads(), "kernel_variant": _ops.kernel_variant()}
+    report["meta"] = {"threads": torch.get_num_threads(), "kernel_variant": _ops.kernel_variant(),
+                      "tile_products": _op.tile_products()}
     report_writer.write(args.json, report)
 
 

@@ -98,3 +98,12 @@ def flash_forward(query, key, value, attn_mask, doc_start, dropout_p: float, is_
     value): additive fp32 mask or None, document starts (int32 (batch, seq)) or None."""
     return torch.ops.ipex_train.attention_flash_forward(query, key, value, attn_mask, doc_start, dropout_p, is_causal,
                                                         scale, seed)[0]
+
+
+def tile_products(choice: str | None = None) -> str:
+    """The products the tiled kernel's AVX-512 BF16 tiles run: ``"onednn"`` (oneDNN's batch-reduce GEMM micro-kernel
+    through torch's cpublas, the default wherever a one-time exactness check passes; AMX on CPUs that have it) or
+    ``"own"`` (the tiles' AVX-512 BF16 dot-product loops). ``choice`` sets it for the process (ValueError for another
+    string, or for ``"onednn"`` where it does not run); returns the one in effect. The portable tiles (no AVX-512 BF16,
+    or ``IPEX_TRAIN_KERNEL=avx2``) always run their own."""
+    return torch.ops.ipex_train.attention_products(choice)

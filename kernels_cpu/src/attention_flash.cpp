@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "attention_flash.h"
+#include "attention_flash_products.h"
 #include "cpu_features.h"
 #include "variants.h"
 
@@ -209,8 +210,10 @@ void reduce_dq(const flash::Args& a, int64_t chunks, at::Tensor& dq) {
 
 // Runs task(index, scratch) for index in [0, n) over the threads, each thread taking the next index (the tasks of
 // causal attention differ in size); every task writes outputs of its own, so the order does not matter.
+// With oneDNN's products (onednn) each worker releases the micro-kernel's hardware state (AMX tile configuration)
+// when done, as torch's flash attention does.
 template <class Task>
-void run_tasks(int64_t n, int64_t scratch_floats, const Task& task) {
+void run_tasks(int64_t n, int64_t scratch_floats, bool onednn, const Task& task) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
@@ -218,6 +221,7 @@ void run_tasks(int64_t n, int64_t scratch_floats, const Task& task) {
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t x = next.fetch_add(1); x < n; x = next.fetch_add(1)) task(x, scratch.data());
     }
+    if (onednn) release_tile_products();
   });
 }
 
@@ -243,9 +247,10 @@ std::tuple<at::Tensor, at::Tensor> attention_flash_forward(const at::Tensor& q_i
   a.out = bits_mut(out);
   a.lse = lse.data_ptr<float>();
   const flash::Tasks& tasks = flash_tasks();
+  a.product = tile_product(tasks);
   const int64_t ntm = (a.s + kBM - 1) / kBM, heads = a.b * a.hq;
   // Last query tiles first: under a causal mask they have the most keys.
-  run_tasks(heads * ntm, flash::scratch_floats(a), [&](int64_t x, float* scratch) {
+  run_tasks(heads * ntm, flash::scratch_floats(a), a.product != nullptr, [&](int64_t x, float* scratch) {
     const int64_t it = ntm - 1 - x / heads, bh = x % heads;
     tasks.forward(a, bh / a.hq, bh % a.hq, it, scratch);
   });
@@ -316,9 +321,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
   a.dk_out = bits_mut(dk);
   a.dv_out = bits_mut(dv);
   const flash::Tasks& tasks = flash_tasks();
+  a.product = tile_product(tasks);
   const int64_t kv_heads = a.b * a.hk;
   // First chunks first: under a causal mask the most queries reach them.
-  run_tasks(kv_heads * chunks, flash::scratch_floats(a), [&](int64_t x, float* scratch) {
+  run_tasks(kv_heads * chunks, flash::scratch_floats(a), a.product != nullptr, [&](int64_t x, float* scratch) {
     const int64_t chunk = x / kv_heads, bh = x % kv_heads;
     tasks.backward_kv(a, bh / a.hk, bh % a.hk, chunk, scratch);
   });

@@ -17,8 +17,15 @@ namespace flash {
 constexpr int64_t kBM = 64;  // queries per tile
 constexpr int64_t kBN = 64;  // keys per tile
 
+// C[m][n] (+)= sum_k A[m][k] B[k][n]: A bf16 row-major (lda elements), B pair-packed ([k / 2][ldb_pairs][2]), C fp32
+// (ldc); acc adds to C instead of storing. The host may hand the tiles oneDNN's batch-reduce GEMM this way.
+using Product = void (*)(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb_pairs, int64_t ldc, bool acc,
+                         const uint16_t* A, const uint16_t* B, float* C);
+
 struct Args {
   int64_t b, hq, hk, s, t, d, dv;
+  // The tiles' products: null runs the tiles' own (attention_flash_gemm.h).
+  Product product;
   float scale;
   bool causal;
   // Inputs, contiguous.

@@ -78,3 +78,10 @@ void gemm(const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B, int64_t 
 }
 #endif
 
+
+// The products of the tiles: the host's (Args::product) when it gave one, else gemm above. ldb counts uint16_t.
+inline void product(const Args& a, const uint16_t* A, int64_t lda, int64_t m, const uint16_t* B, int64_t ldb,
+                    int64_t n, int64_t kp, float* C, int64_t ldc, bool acc) {
+  if (a.product != nullptr) a.product(m, n, 2 * kp, lda, ldb / 2, ldc, acc, A, B, C);
+  else gemm(A, lda, m, B, ldb, n, kp, C, ldc, acc);
+}

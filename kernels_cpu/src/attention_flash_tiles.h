@@ -7,7 +7,8 @@
 // (running max and sum in fp32), O += P V. Backward recomputes P from the saved log-sum-exp, per key tile:
 // S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q, and dQ^T += K^T dS^T into the buffer of the key tile's
 // chunk. Each output element is summed by one task in a fixed order (and the chunks' dQ in chunk order), so results
-// do not depend on the thread count.
+// do not depend on the thread count. The products are the host's when it hands the tiles one (Args::product: oneDNN's
+// batch-reduce GEMM), else the tiles' own (attention_flash_gemm.h).
 //
 // The row loops keep 16 partial maxima/sums (combined in a fixed order) so that the compiler vectorizes them
 // without reassociating floating-point sums.
@@ -223,13 +224,13 @@ void forward_task(const Args& a, int64_t bi, int64_t h, int64_t it, float* scrat
   key_tiles(q, &jt0, &jt1);
   for (int64_t jt = jt0; jt < jt1; ++jt) {
     const int64_t j0 = jt * kBN, tile = (bi * a.hk + hk) * ntn + jt;
-    gemm(qrow, a.d, q.rows, a.k_d + tile * a.d * kBN, 2 * kBN, kBN, a.d / 2, S, kBN, false);
+    product(a, qrow, a.d, q.rows, a.k_d + tile * a.d * kBN, 2 * kBN, kBN, a.d / 2, S, kBN, false);
     for (int64_t r = 0; r < q.rows; ++r) {
       const int64_t clo = max64(q.lo[r] - j0, 0), chi = min64(q.hi[r] - j0, kBN);
       forward_row(a, q, r, j0, clo, chi, a.mask ? mask_row(a, bi, h, q.i0 + r) + j0 : nullptr, S + r * kBN,
                   P + r * kBN, &m[r], &l[r], O + r * a.dv);
     }
-    gemm(P, kBN, q.rows, a.v_r + tile * kBN * a.dv, 2 * a.dv, a.dv, kBN / 2, O, a.dv, true);
+    product(a, P, kBN, q.rows, a.v_r + tile * kBN * a.dv, 2 * a.dv, a.dv, kBN / 2, O, a.dv, true);
   }
   for (int64_t r = 0; r < q.rows; ++r) {
     const int64_t row = (bi * a.hq + h) * a.s + q.i0 + r;
@@ -339,15 +340,16 @@ void backward_key_tile(const Args& a, int64_t bi, int64_t hk, int64_t jt, int64_
     for (int64_t it = i_begin / kBM; it < (i_end + kBM - 1) / kBM; ++it) {
       query_rows(a, bi, h, it, true, &q);
       const int64_t tile = (bi * a.hq + h) * ntm + it;
-      gemm(krow, a.d, keys, a.q_d + tile * a.d * kBM, 2 * kBM, kBM, a.d / 2, ST, kBM, false);
-      gemm(vrow, a.dv, keys, a.g_d + tile * a.dv * kBM, 2 * kBM, kBM, a.dv / 2, dPT, kBM, false);
+      product(a, krow, a.d, keys, a.q_d + tile * a.d * kBM, 2 * kBM, kBM, a.d / 2, ST, kBM, false);
+      product(a, vrow, a.dv, keys, a.g_d + tile * a.dv * kBM, 2 * kBM, kBM, a.dv / 2, dPT, kBM, false);
       for (int64_t n = 0; n < keys; ++n)
         transposed_row(a, q, bi, h, j0 + n, ST + n * kBM, dPT + n * kBM, PT + n * kBM, dST + n * kBM);
-      gemm(PT, kBM, keys, a.g_r + tile * kBM * a.dv, 2 * a.dv, a.dv, kBM / 2, dV, a.dv, true);
-      gemm(dST, kBM, keys, a.q_r + tile * kBM * a.d, 2 * a.d, a.d, kBM / 2, dK, a.d, true);
+      product(a, PT, kBM, keys, a.g_r + tile * kBM * a.dv, 2 * a.dv, a.dv, kBM / 2, dV, a.dv, true);
+      product(a, dST, kBM, keys, a.q_r + tile * kBM * a.d, 2 * a.d, a.d, kBM / 2, dK, a.d, true);
       interleave_keys(dST, keys, dSTi);
       const int64_t part = chunk * a.b * a.hq * ntm + tile;
-      gemm(kt, kBN, a.d, dSTi, 2 * kBM, kBM, kBN / 2, a.dq_part + part * a.d * kBM, kBM, a.dq_written[part] != 0);
+      product(a, kt, kBN, a.d, dSTi, 2 * kBM, kBM, kBN / 2, a.dq_part + part * a.d * kBM, kBM,
+              a.dq_written[part] != 0);
       a.dq_written[part] = 1;
     }
   }
