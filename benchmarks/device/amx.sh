@@ -8,7 +8,10 @@
 # Environment: PY (python3), OUT (output folder), THREADS (16), STEPS (timed steps, 6), MODELS (the 16-thread rows),
 # FEW_THREADS_MODELS (bert_base) at FEW_THREADS (4),
 # BUILD=0 to reuse an extension already built, MODEL_S (seconds allowed per row, 60), LIMIT_S (no row starts after
-# this many seconds, 420), PLAIN=1 to add the plain-loop check (--check-plain-loop: about half again the time).
+# this many seconds, 420), PLAIN=1 to add the plain-loop check (--check-plain-loop: about half again the time),
+# ATTENTION=1 to first time the tiled attention (thread scaling 4 -> THREADS with both tile products and the same-bits
+# check, then bench_attention's long-sequence rows against torch; up to ~3.5 minutes, so pair it with fewer MODELS,
+# e.g. `ATTENTION=1 MODELS=bert_base FEW_THREADS_MODELS= bash benchmarks/device/amx.sh`).
 # Budget: the build (a few minutes on 16 cores) plus five rows of at most MODEL_S each, none started after LIMIT_S:
 # under 8 minutes. A row that runs over is cut and says so in train.txt; one not started says so too.
 set -u
@@ -57,6 +60,12 @@ row() {  # row MODEL THREADS; skipped once LIMIT_S (420) have passed, so that th
 # The patch-embedding route's op-level evidence (seconds): conv against GEMM at ViT stems.
 timeout 60 $PY -m benchmarks.studies.patch_embedding --threads "$T" --json "$O/patch_embedding_t$T.json" 2>&1 \
   | grep -v "^W" | tee -a "$O/train.txt"
+if [ "${ATTENTION:-0}" = 1 ]; then
+  timeout 90 $PY -m benchmarks.studies.attention_scaling --threads 4 "$T" --json "$O/attention_scaling.json" 2>&1 \
+    | grep -v "^W" | tee -a "$O/attention.txt"
+  timeout 120 $PY -m benchmarks.standalone.bench_attention --threads "$T" --set issue --json "$O/attention_t$T.json" \
+    2>&1 | grep -v "^W" | tee -a "$O/attention.txt"
+fi
 for M in $MODELS; do row "$M" "$T"; done
 for M in ${FEW_THREADS_MODELS-bert_base}; do row "$M" "${FEW_THREADS:-4}"; done
 echo "total $(( $(date +%s) - start )) s" | tee -a "$O/env.txt"
