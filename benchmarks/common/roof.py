@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 
 from .timing import interleaved
-from .train_models import ModelSpec
+from .train_models import ModelSpec, example_input
 
 
 def matmul_roof_gflops(n: int = 2048, repeats: int = 10) -> float:
@@ -59,7 +59,7 @@ def step_flops(spec: ModelSpec) -> float:
                      aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops}
     torch.manual_seed(0)
     model = spec.build()
-    x = torch.randn(spec.input_shape)
+    x = example_input(spec)
     with FlopCounterMode(display=False, custom_mapping=cpu_attention) as counter:
         model(x).float().sum().backward()
     return float(counter.get_total_flops())
@@ -99,7 +99,7 @@ def _step_products(spec: ModelSpec) -> list[tuple]:
 
     torch.manual_seed(0)
     model = spec.build()
-    x = torch.randn(spec.input_shape)
+    x = example_input(spec)
     with Recorder():
         model(x).float().sum().backward()
     return products

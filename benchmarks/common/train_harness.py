@@ -42,12 +42,27 @@ def batches(spec: ModelSpec, dtype: torch.dtype) -> list[tuple[torch.Tensor, tor
     show whether two numerics agree.
     """
     data = torch.Generator().manual_seed(1)
+    if spec.vocab:
+        return _token_batches(spec, data)
     templates = torch.randn((NUM_CLASSES,) + spec.input_shape[1:], generator=data)
     out = []
     for _ in range(NUM_BATCHES):
         y = torch.randint(0, NUM_CLASSES, (spec.input_shape[0],), generator=data)
         x = templates[y] * spec.signal + torch.randn(spec.input_shape, generator=data)
         out.append((x.to(dtype), y))
+    return out
+
+
+def _token_batches(spec: ModelSpec, data: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token ids: each class has a template sequence; each position keeps its template token with probability
+    ``spec.signal`` and is a random token otherwise (ids are never cast: the variant's dtype applies to floats)."""
+    templates = torch.randint(0, spec.vocab, (NUM_CLASSES,) + spec.input_shape[1:], generator=data)
+    out = []
+    for _ in range(NUM_BATCHES):
+        y = torch.randint(0, NUM_CLASSES, (spec.input_shape[0],), generator=data)
+        noise = torch.randint(0, spec.vocab, spec.input_shape, generator=data)
+        keep = torch.rand(spec.input_shape, generator=data) < spec.signal
+        out.append((torch.where(keep, templates[y], noise), y))
     return out
 
 

@@ -1,8 +1,9 @@
 """The models bench_train_step trains, each built from code or a config (nothing downloaded).
 
 ``MODELS`` maps a name to a :class:`ModelSpec`: a builder, the input shape (batch first), the optimizer and learning
-rate, and the signal scale of the synthetic task. Transformer inputs are embeddings (float), so every model takes a
-float tensor and returns class logits.
+rate, and the signal scale of the synthetic task. Transformer inputs are embeddings (float), so these models take a
+float tensor and return class logits; those with a vocabulary (``ModelSpec.vocab``, e.g. ``bert_base_tokens``) take
+token ids instead, as a fine-tune feeds them (:func:`example_input` makes either).
 """
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ class BertLike(nn.Module):
         self.head = nn.Linear(config.hidden_size, NUM_CLASSES)
 
     def forward(self, x):
+        if not x.is_floating_point():  # token ids (bert_base_tokens): the embeddings' own lookup, as in a fine-tune
+            return self.head(self.bert(input_ids=x).pooler_output)
         return self.head(self.bert(inputs_embeds=x).pooler_output)
 
 
@@ -150,6 +153,14 @@ class ModelSpec:
     large: bool = False  # quick mode leaves out its torch.compile variants (minutes of compilation each)
     quick: bool = True  # quick mode runs it (every model runs in full mode)
     roof: bool = False  # the benchmark prints its step's share of the bf16 matmul roof measured in the same run
+    vocab: int = 0  # > 0: the model takes token ids in [0, vocab) of input_shape, not a float tensor
+
+
+def example_input(spec: ModelSpec, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One random input batch of ``spec``: token ids when it has a vocabulary, else a standard-normal float tensor."""
+    if spec.vocab:
+        return torch.randint(0, spec.vocab, spec.input_shape, generator=generator)
+    return torch.randn(spec.input_shape, generator=generator)
 
 
 MODELS = {
@@ -163,6 +174,10 @@ MODELS = {
     # Transformers at the bf16 matmul roof (docs/attention.md): full-size shapes, left out of quick mode.
     "bert_base": ModelSpec(functools.partial(BertLike, 12), (8, 128, 768), 0.002, 0.05, large=True, quick=False,
                            roof=True),
+    # The same model fed token ids (BERT's vocabulary): the embeddings' lookup, so under optimize(bf16) the residual
+    # stream is bf16 from the first layer on, where fed fp32 embeddings it stays fp32 (and every linear casts).
+    "bert_base_tokens": ModelSpec(functools.partial(BertLike, 12), (8, 128), 0.002, 0.8, large=True, quick=False,
+                                  roof=True, vocab=30522),
     "vit_b16": ModelSpec(_vit_b16, (4, 3, 224, 224), 0.002, 0.05, large=True, quick=False, roof=True),
     "llama_s256": ModelSpec(LlamaLike, (4, 256, 768), 0.002, 0.05, large=True, quick=False, roof=True),
     "resnet50": ModelSpec(_resnet50, (8, 3, 64, 64), 0.003, 0.05, large=True, quick=False),

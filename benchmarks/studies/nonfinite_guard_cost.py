@@ -20,7 +20,7 @@ from ipex_train.training.optimizer import nonfinite_guard
 
 from ..common import report
 from ..common.timing import interleaved
-from ..common.train_models import MODELS
+from ..common.train_models import MODELS, example_input
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, opt = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9),
                                      dtype=torch.bfloat16)
     guard = nonfinite_guard(opt)
-    x = torch.randn(*spec.input_shape)
+    x = example_input(spec)
     y = torch.randint(0, 10, (spec.input_shape[0],))
 
     def step(with_guard: bool):
