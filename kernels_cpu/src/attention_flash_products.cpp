@@ -20,8 +20,9 @@ namespace {
 // with the tiles' own dot-product loops; on AMX CPUs oneDNN runs the tiles on AMX, which the own loops cannot use.
 void onednn_product(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb_pairs, int64_t ldc, bool acc,
                     const uint16_t* A, const uint16_t* B, float* C) {
+  // No is_vnni argument (pair-packed B, its default where it exists): older torch releases lack the parameter.
   at::native::cpublas::brgemm(m, n, k, lda, ldb_pairs, ldc, acc, reinterpret_cast<const at::BFloat16*>(A),
-                              reinterpret_cast<const at::BFloat16*>(B), C, /*is_vnni=*/true);
+                              reinterpret_cast<const at::BFloat16*>(B), C);
 }
 
 // Whether onednn_product computes exact products here (a stored product, then an added one, on small integers whose
@@ -43,7 +44,7 @@ bool onednn_products_work() {
     try {
       onednn_product(m, n, k, k, n, n, false, A.data(), B.data(), C.data());
       onednn_product(m, n, k, k, n, n, true, A.data(), B.data(), C.data());
-      at::native::cpublas::brgemm_release(true);
+      at::native::cpublas::brgemm_release();
     } catch (const std::exception&) {
       return false;
     }
@@ -90,7 +91,7 @@ flash::Product tile_product(const flash::Tasks& tasks) {
   return &tasks == &flash::kAvx512Bf16Tasks && use_onednn_products() ? &onednn_product : nullptr;
 }
 
-void release_tile_products() { at::native::cpublas::brgemm_release(true); }
+void release_tile_products() { at::native::cpublas::brgemm_release(); }
 
 }  // namespace ipex_train
 
