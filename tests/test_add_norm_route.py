@@ -242,3 +242,24 @@ def test_routed_block_compiles_without_graph_break():
         assert torch.equal(out, block(h, res))
     finally:
         handle.remove()
+
+
+@native
+def test_gradient_checkpointing_recomputes_the_same_dropout():
+    # Checkpointing re-runs each layer in backward with torch's generator restored: the routed blocks draw the same
+    # seeds, so the same masks, and the gradients equal those without checkpointing.
+    def grads(checkpointing):
+        model = _bert(dropout=0.2)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model, _ = _optimized(model)
+        torch.manual_seed(5)
+        with OpNames() as ops:
+            _loss(model).backward()
+        assert ops.names.count(OURS) == 2 * LAYERS * (2 if checkpointing else 1)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys()
+    for name, g in plain.items():
+        torch.testing.assert_close(checkpointed[name], g, rtol=1e-3, atol=1e-6, msg=name)
