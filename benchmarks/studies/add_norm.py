@@ -13,7 +13,8 @@ op (:func:`ipex_train.compute_policy.routes_add_norm`). This measures the eviden
   alternately in interleaved rounds (median ms, and the median of the per-round ratio fused / torch).
 - step: a 12-layer BERT-base (``BertModel``, b8 s128, input_ids, MSE loss on the last hidden state, SGD momentum)
   under ``optimize(dtype=bf16, bf16_compute="native")``, routed against the same model with ``routes_add_norm``
-  patched to False, hidden dropout 0.0 and 0.1 (attention dropout 0), steps interleaved.
+  patched to False, hidden dropout 0.0 and 0.1 (attention dropout 0), steps interleaved with a second unrouted
+  instance (``control``: the ratio two identical models give here).
 
 Backs docs/compute_policy.md, "Dropout + residual add + LayerNorm".
 """
@@ -88,11 +89,17 @@ def _bert_step(dropout: float, routed: bool):
 def _step_row(dropout: float, rounds: int) -> dict:
     routed, n_routed = _bert_step(dropout, True)
     plain, n_plain = _bert_step(dropout, False)
-    rs = interleaved({"unrouted": plain, "routed": routed}, rounds, warmup=2)
+    # A second unrouted instance of the same model: how far two identical models' steps differ here (allocation
+    # and cache placement), the noise floor for the routed / unrouted ratio.
+    control, _ = _bert_step(dropout, False)
+    rs = interleaved({"unrouted": plain, "routed": routed, "control": control}, rounds, warmup=2)
     med = rs.median()
     return {"hidden_dropout": dropout, "blocks_routed": n_routed, "blocks_routed_in_unrouted": n_plain,
             "unrouted_ms": med["unrouted"] * 1e3, "routed_ms": med["routed"] * 1e3,
-            "ratio": rs.paired("routed", "unrouted").median, "ratio_spread": rs.paired("routed", "unrouted").spread}
+            "control_ms": med["control"] * 1e3, "ratio": rs.paired("routed", "unrouted").median,
+            "ratio_spread": rs.paired("routed", "unrouted").spread,
+            "control_ratio": rs.paired("control", "unrouted").median,
+            "samples_ms": {name: [t * 1e3 for t in times] for name, times in rs.per_round.items()}}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -118,12 +125,13 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['ratio']:7.3f}", flush=True)
     steps = []
     if not args.no_step:
-        print(f"BERT-base step b8 s128: {'dropout':>8}{'unrouted':>10}{'routed':>9}{'ratio':>7}{'spread':>8}  (ms)")
+        print(f"BERT-base step b8 s128: {'dropout':>8}{'unrouted':>10}{'routed':>9}{'ratio':>7}{'spread':>8}"
+              f"{'control':>9}{'ratio':>7}  (ms)")
         for drop in (0.0, 0.1):
             row = _step_row(drop, args.step_rounds)
             steps.append(row)
             print(f"{'':<23}{drop:>8}{row['unrouted_ms']:10.1f}{row['routed_ms']:9.1f}{row['ratio']:7.3f}"
-                  f"{row['ratio_spread']:8.3f}", flush=True)
+                  f"{row['ratio_spread']:8.3f}{row['control_ms']:9.1f}{row['control_ratio']:7.3f}", flush=True)
     return report.write(args.json, {"meta": {"threads": torch.get_num_threads(), "shape": list(SHAPE)},
                                     "op": ops, "step": steps}, indent=1)
 
