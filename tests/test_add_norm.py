@@ -161,6 +161,24 @@ def test_weight_and_bias_none():
     assert x.grad is not None and r.grad is not None
 
 
+def test_non_contiguous_and_empty_inputs():
+    # Strided x and residual are read through contiguous copies; no rows gives empty outputs and zero weight grads.
+    base = torch.randn(48, 6, generator=_gen(1)).to(BF16)
+    x = base.t().requires_grad_()  # (6, 48), strides (1, 6)
+    r = torch.randn(48, 6, generator=_gen(2)).to(BF16).t().requires_grad_()
+    w, b = torch.ones(48, requires_grad=True), torch.zeros(48, requires_grad=True)
+    g = torch.randn(6, 48, generator=_gen(3)).to(BF16)
+    y = add_layer_norm(x, r, w, b, 1e-5)
+    y.backward(g)
+    _check_against(x, r, w, b, y, g, None, _tolerances(BF16, BF16))
+    e = torch.zeros(0, 48, dtype=BF16, requires_grad=True)
+    out = add_layer_norm(e, e.detach().clone().requires_grad_(), w, b, 1e-5)
+    assert out.shape == (0, 48)
+    w.grad = None
+    out.sum().backward()
+    assert e.grad.shape == (0, 48) and torch.equal(w.grad, torch.zeros(48))
+
+
 def _run(threads, x, r, w, b, g):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
