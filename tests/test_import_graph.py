@@ -54,11 +54,13 @@ ALLOWED = {
     "optim": {"base"},  # the optimizers, their fused steps and state formats
     "attention": {"base"},  # kernels with their torch ops
     "rms_norm": {"base"},
+    "add_norm": {"base"},
     "lora": {"base"},
     "xpu": {"base", "optim"},  # the same steps on SYCL queues
     "inference": {"base"},  # folding, export (TorchScript, AOTInductor)
     "precision": {"base"},  # what goes low precision, casts, master weights, channels-last, the optimize() record
-    "compute_policy": {"base", "attention", "rms_norm", "lora"},  # how bf16 ops are computed; routes to our kernels
+    # how bf16 ops are computed; routes to our kernels
+    "compute_policy": {"base", "attention", "rms_norm", "add_norm", "lora"},
     "config": {"base"},  # OptimizeConfig
     "training": {"base", "optim", "precision"},  # the returned optimizer, the step inside backward
     "distributed": {"base", "optim", "precision", "training"},  # FSDP2

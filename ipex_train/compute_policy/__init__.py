@@ -26,7 +26,9 @@ Policies
     bf16 forward of these convs is the faster one, so no_grad/inference_mode forwards keep it.
     Hugging Face RMSNorm modules with exactly Llama's formula (:func:`routes_rms_norm`) run
     ``ipex_train.rms_norm`` on bf16 and fp32 CPU inputs: one fused pass per row forward and backward, the
-    forward bit-identical to the module's own (docs/compute_policy.md). Patch embeddings (a plain ``nn.Conv2d``
+    forward bit-identical to the module's own (docs/compute_policy.md). Hugging Face post-norm output blocks
+    (``BertSelfOutput``/``BertOutput`` and the like, :func:`routes_add_norm`) run their dropout + residual add +
+    LayerNorm as ``ipex_train.add_norm``, one fused pass per row each way. Patch embeddings (a plain ``nn.Conv2d``
     whose stride equals its kernel, :func:`routes_patch_embedding`) run as one bf16 GEMM over the unfolded patches.
     peft ``lora.Linear`` layers (:func:`routes_lora`) run plain LoRA calls through ``ipex_train.lora``, one
     autograd node that sums the adapter's product into the base output in the matmul; any other call runs peft's own
@@ -96,7 +98,7 @@ import torch
 
 from ..base import envvars as _envvars
 from ..base.choices import BF16_COMPUTE, parse_bf16_compute
-from . import _lora, _patch_embed, _rms_norm
+from . import _add_norm, _lora, _patch_embed, _rms_norm
 from ._mode import _AttentionMode, _EmulationMode
 
 __all__ = [
@@ -110,6 +112,7 @@ __all__ = [
     "calls_attention",
     "routes_patch_embedding",
     "routes_rms_norm",
+    "routes_add_norm",
     "routes_lora",
     "emulated_bf16",
     "ComputePolicyHandle",
@@ -315,6 +318,14 @@ def routes_rms_norm(module: torch.nn.Module) -> bool:
     return _rms_norm.routable(module)
 
 
+def routes_add_norm(module: torch.nn.Module) -> bool:
+    """Whether the native policy runs ``module``'s dropout + residual add + LayerNorm through ``ipex_train.add_norm``:
+    a Hugging Face post-norm output block of ``_add_norm.POST_NORM_OUTPUT`` (BERT, RoBERTa and kin) over a plain
+    ``nn.Dropout`` and ``nn.LayerNorm``, whose forward is not already replaced on the instance. Calls the kernel
+    cannot compute as the class does (hooks, autocast, other dtypes) run the class's ops."""
+    return _add_norm.routable(module)
+
+
 def routes_patch_embedding(module: torch.nn.Module) -> bool:
     """Whether the native policy computes ``module`` as a GEMM over unfolded patches: a plain ``nn.Conv2d`` whose
     stride equals its kernel (above 1), without padding, dilation or groups, whose forward is not already replaced on
@@ -344,7 +355,8 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     only around the depthwise convs of :func:`slow_bf16_depthwise`, and, in models that call attention
     (:func:`calls_attention`), routes ``F.scaled_dot_product_attention`` to ``ipex_train.attention`` over the same
     scope as "emulated"; it also runs the Hugging Face RMSNorm modules of :func:`routes_rms_norm` through
-    ``ipex_train.rms_norm``, the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora`` and the patch
+    ``ipex_train.rms_norm``, the post-norm output blocks of :func:`routes_add_norm` through ``ipex_train.add_norm``,
+    the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora`` and the patch
     embeddings of :func:`routes_patch_embedding` as one GEMM (instance-level forwards, removed on detach). Attaching
     again returns the existing handle for the same policy, or replaces a different one.
     """
@@ -378,6 +390,8 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
         # Llama-family RMSNorm: ~10 autograd passes in torch ops, one fused pass per row here (docs/compute_policy.md).
         # An instance-level forward, deleted again by the handle's remove().
         hooks.extend(_rms_norm.swap(module) for module in model.modules() if routes_rms_norm(module))
+        # Post-norm output blocks: dropout + residual add + LayerNorm in one pass each way (docs/compute_policy.md).
+        hooks.extend(_add_norm.swap(module) for module in model.modules() if routes_add_norm(module))
         # Patch embeddings (stride == kernel) as one GEMM over the unfolded patches (docs/compute_policy.md).
         hooks.extend(_patch_embed.swap(module) for module in model.modules() if routes_patch_embedding(module))
         # peft LoRA layers: the adapter's product summed into the base output by the matmul, no elementwise passes

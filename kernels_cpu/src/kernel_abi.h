@@ -78,6 +78,48 @@ struct RmsNormGradRow {
   bool w_f32;
 };
 
+// One row of dropout + residual add + LayerNorm forward (add_norm_rows.h): s = round(x * keep + residual) (round: to
+// the residual's dtype, as the unfused module's `h + input_tensor` rounds), mean and rstd = 1 / sqrt(var(s) + eps)
+// in fp32, y = (s - mean) * rstd * w + b. keep: drop's keep-scale of each column (1 when !drop.enabled). x is bf16
+// or fp32 (x_f32); residual, sum and y share one dtype (s_f32: fp32, else bf16, then x is bf16 too); weight and bias
+// share one (w_f32: fp32, else bf16).
+struct AddNormRow {
+  const void* x;
+  const void* residual;
+  const void* weight;
+  const void* bias;
+  void* y;
+  void* sum;
+  float* mean;  // the row's mean and rstd, written
+  float* rstd;
+  int64_t n;
+  float eps;
+  bool x_f32;
+  bool s_f32;
+  bool w_f32;
+  Dropout drop;
+};
+
+// One row of its backward: g = dy * w, xhat = (s - mean) * rstd, ds = rstd * (g - mean(g) - xhat * mean(g * xhat))
+// (the residual's gradient, in the sum's dtype), dx = ds * keep in x's dtype (written only when dx is not null),
+// dw += dy * xhat and db += dy into fp32 accumulators of n. dy has the sum's dtype.
+struct AddNormGradRow {
+  const void* dy;
+  const void* sum;
+  const void* weight;
+  void* ds;
+  void* dx;
+  float* dw;
+  float* db;
+  int64_t n;
+  float mean;
+  float rstd;
+  bool x_f32;
+  bool s_f32;
+  bool w_f32;
+  Dropout drop;
+};
+
 // Per-ISA entry points: one per optimizer of ITR_OPTIMIZERS (optimizers.h), then the split-bf16 conversions.
 struct KernelTable {
   const char* name;
@@ -94,6 +136,8 @@ struct KernelTable {
   void (*softmax_grad_row)(const SoftmaxGradRow& row);
   float (*rms_norm_row)(const RmsNormRow& row);  // rms_norm_rows.h; returns the row's rstd
   void (*rms_norm_grad_row)(const RmsNormGradRow& row);
+  void (*add_norm_row)(const AddNormRow& row);  // add_norm_rows.h
+  void (*add_norm_grad_row)(const AddNormGradRow& row);
 };
 
 // The entry of optimizer Opt in table t.

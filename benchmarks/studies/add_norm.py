@@ -1,0 +1,140 @@
+"""Dropout + residual add + LayerNorm: torch's three ops against ``ipex_train.add_norm``'s fused op, alone and in a
+whole BERT-base training step.
+
+``python -m benchmarks.studies.add_norm [--json PATH] [--threads N] [--op-rounds 15] [--step-rounds 5] [--no-step]
+[--no-op]``
+
+Why: the native policy routes Hugging Face post-norm output blocks (``BertSelfOutput`` / ``BertOutput``) to the fused
+op (:func:`ipex_train.compute_policy.routes_add_norm`). This measures the evidence on the machine at hand:
+
+- op: forward + backward (grads of x, residual, weight and bias) at BERT-base's shape, (8, 128, 768), bf16 x, fp32
+  LayerNorm parameters (as optimize keeps them), a bf16 residual (models fed input_ids) and an fp32 one (models whose
+  embeddings stay fp32), dropout p = 0 and 0.1; torch (``F.layer_norm(F.dropout(x) + residual)``) and fused called
+  alternately in interleaved rounds (median ms, and the median of the per-round ratio fused / torch).
+- step: a 12-layer BERT-base (``BertModel``, b8 s128, input_ids, MSE loss on the last hidden state, SGD momentum)
+  under ``optimize(dtype=bf16, bf16_compute="native")``, routed against the same model with ``routes_add_norm``
+  patched to False, hidden dropout 0.0 and 0.1 (attention dropout 0), steps interleaved with a second unrouted
+  instance (``control``: the ratio two identical models give here).
+
+Backs docs/compute_policy.md, "Dropout + residual add + LayerNorm".
+"""
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import report
+from benchmarks.common.timing import interleaved
+
+BF16 = torch.bfloat16
+SHAPE = (8, 128, 768)
+
+
+def _op_row(residual_dtype: torch.dtype, p: float, rounds: int) -> dict:
+    from ipex_train.add_norm import add_layer_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(SHAPE, generator=gen).to(BF16).requires_grad_()
+    r = torch.randn(SHAPE, generator=gen).to(residual_dtype).requires_grad_()
+    w = torch.ones(SHAPE[-1], requires_grad=True)
+    b = torch.zeros(SHAPE[-1], requires_grad=True)
+    g = torch.randn(SHAPE, generator=gen).to(residual_dtype)
+
+    def unfused():
+        y = F.layer_norm(F.dropout(x, p, True) + r, SHAPE[-1:], w, b, 1e-12)
+        return torch.autograd.grad(y, (x, r, w, b), g)
+
+    def fused():
+        y = add_layer_norm(x, r, w, b, 1e-12, p, True)
+        return torch.autograd.grad(y, (x, r, w, b), g)
+
+    rs = interleaved({"torch": unfused, "fused": fused}, rounds, repeats=5, warmup=3)
+    med = rs.median()
+    return {"residual": str(residual_dtype).replace("torch.", ""), "p": p, "torch_ms": med["torch"] * 1e3,
+            "fused_ms": med["fused"] * 1e3, "ratio": rs.paired("fused", "torch").median}
+
+
+def _bert_step(dropout: float, routed: bool):
+    """A zero-argument step of a fresh 12-layer BERT-base under optimize(bf16, native)."""
+    import transformers
+
+    import ipex_train
+    import ipex_train.compute_policy as cp
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0,
+                                     attn_implementation="sdpa")
+    model = transformers.BertModel(config, add_pooling_layer=False).train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    with mock.patch.object(cp, "routes_add_norm", cp.routes_add_norm if routed else (lambda module: False)):
+        model, opt = ipex_train.optimize(model, opt, dtype=BF16, bf16_compute="native")
+    n_routed = sum("forward" in vars(m) and type(m).__name__ in ("BertSelfOutput", "BertOutput")
+                   for m in model.modules())
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, SHAPE[:2], generator=gen)
+    target = torch.randn(SHAPE, generator=gen)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = (model(input_ids=ids).last_hidden_state.float() - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+
+    return step, n_routed
+
+
+def _step_row(dropout: float, rounds: int) -> dict:
+    routed, n_routed = _bert_step(dropout, True)
+    plain, n_plain = _bert_step(dropout, False)
+    # A second unrouted instance of the same model: how far two identical models' steps differ here (allocation
+    # and cache placement), the noise floor for the routed / unrouted ratio.
+    control, _ = _bert_step(dropout, False)
+    rs = interleaved({"unrouted": plain, "routed": routed, "control": control}, rounds, warmup=2)
+    med = rs.median()
+    return {"hidden_dropout": dropout, "blocks_routed": n_routed, "blocks_routed_in_unrouted": n_plain,
+            "unrouted_ms": med["unrouted"] * 1e3, "routed_ms": med["routed"] * 1e3,
+            "control_ms": med["control"] * 1e3, "ratio": rs.paired("routed", "unrouted").median,
+            "ratio_spread": rs.paired("routed", "unrouted").spread,
+            "control_ratio": rs.paired("control", "unrouted").median,
+            "samples_ms": {name: [t * 1e3 for t in times] for name, times in rs.per_round.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Time the op rows and the step rows, print tables and return (and optionally write) the JSON."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--op-rounds", type=int, default=15)
+    p.add_argument("--step-rounds", type=int, default=5)
+    p.add_argument("--no-step", action="store_true", help="only the op rows")
+    p.add_argument("--no-op", action="store_true", help="only the step rows")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ops = []
+    if not args.no_op:
+        print(f"op {SHAPE} bf16 x, fp32 weight: {'residual':>9}{'p':>5}{'torch':>9}{'fused':>9}{'ratio':>7}  (ms)")
+    for residual_dtype in () if args.no_op else (BF16, torch.float32):
+        for drop in (0.0, 0.1):
+            row = _op_row(residual_dtype, drop, args.op_rounds)
+            ops.append(row)
+            print(f"{'':<34}{row['residual']:>9}{drop:>5}{row['torch_ms']:9.2f}{row['fused_ms']:9.2f}"
+                  f"{row['ratio']:7.3f}", flush=True)
+    steps = []
+    if not args.no_step:
+        print(f"BERT-base step b8 s128: {'dropout':>8}{'unrouted':>10}{'routed':>9}{'ratio':>7}{'spread':>8}"
+              f"{'control':>9}{'ratio':>7}  (ms)")
+        for drop in (0.0, 0.1):
+            row = _step_row(drop, args.step_rounds)
+            steps.append(row)
+            print(f"{'':<23}{drop:>8}{row['unrouted_ms']:10.1f}{row['routed_ms']:9.1f}{row['ratio']:7.3f}"
+                  f"{row['ratio_spread']:8.3f}{row['control_ms']:9.1f}{row['control_ratio']:7.3f}", flush=True)
+    return report.write(args.json, {"meta": {"threads": torch.get_num_threads(), "shape": list(SHAPE)},
+                                    "op": ops, "step": steps}, indent=1)
+
+
+if __name__ == "__main__":
+    main()
