@@ -90,7 +90,7 @@ def test_routed_trains_as_unrouted(head, monkeypatch):
     routed += _train(model, opt, steps=2)
     ref_base = _bert(head=head)
     ref_base.load_state_dict(start)
-    monkeypatch.setattr(cp, "routes_add_norm", lambda module: False)
+    monkeypatch.setattr(cp._add_norm, "routable", lambda module: False)
     ref_model, ref_opt = _optimized(ref_base)
     assert not any("forward" in vars(m) for m in _blocks(ref_model))
     with OpNames() as ops:

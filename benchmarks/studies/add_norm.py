@@ -62,14 +62,14 @@ def _bert_step(dropout: float, routed: bool):
     import transformers
 
     import ipex_train
-    import ipex_train.compute_policy as cp
+    from ipex_train.compute_policy import _add_norm
 
     torch.manual_seed(0)
     config = transformers.BertConfig(hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0,
                                      attn_implementation="sdpa")
     model = transformers.BertModel(config, add_pooling_layer=False).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    with mock.patch.object(cp, "routes_add_norm", cp.routes_add_norm if routed else (lambda module: False)):
+    with mock.patch.object(_add_norm, "routable", _add_norm.routable if routed else (lambda module: False)):
         model, opt = ipex_train.optimize(model, opt, dtype=BF16, bf16_compute="native")
     n_routed = sum("forward" in vars(m) and type(m).__name__ in ("BertSelfOutput", "BertOutput")
                    for m in model.modules())

@@ -98,8 +98,9 @@ import torch
 
 from ..base import envvars as _envvars
 from ..base.choices import BF16_COMPUTE, parse_bf16_compute
-from . import _add_norm, _lora, _patch_embed, _rms_norm
+from . import _routes
 from ._mode import _AttentionMode, _EmulationMode
+from ._routes import routes_add_norm, routes_lora, routes_patch_embedding, routes_rms_norm
 
 __all__ = [
     "POLICIES",
@@ -311,36 +312,6 @@ def calls_attention(model: torch.nn.Module) -> bool:
     return False
 
 
-def routes_rms_norm(module: torch.nn.Module) -> bool:
-    """Whether the native policy runs ``module`` through ``ipex_train.rms_norm``: a Hugging Face RMSNorm whose class
-    computes exactly LlamaRMSNorm's formula (Llama, Mistral, Mixtral, Qwen2/3 and their MoE variants, Phi-3) and
-    whose forward is not already replaced on the instance. Only its bf16 inputs go to the kernel."""
-    return _rms_norm.routable(module)
-
-
-def routes_add_norm(module: torch.nn.Module) -> bool:
-    """Whether the native policy runs ``module``'s dropout + residual add + LayerNorm through ``ipex_train.add_norm``:
-    a Hugging Face post-norm output block of ``_add_norm.POST_NORM_OUTPUT`` (BERT, RoBERTa and kin) over a plain
-    ``nn.Dropout`` and ``nn.LayerNorm``, whose forward is not already replaced on the instance. Calls the kernel
-    cannot compute as the class does (hooks, autocast, other dtypes) run the class's ops."""
-    return _add_norm.routable(module)
-
-
-def routes_patch_embedding(module: torch.nn.Module) -> bool:
-    """Whether the native policy computes ``module`` as a GEMM over unfolded patches: a plain ``nn.Conv2d`` whose
-    stride equals its kernel (above 1), without padding, dilation or groups, whose forward is not already replaced on
-    the instance. Only its batched bf16 CPU inputs take the GEMM."""
-    return _patch_embed.routable(module)
-
-
-def routes_lora(module: torch.nn.Module) -> bool:
-    """Whether the native policy routes ``module``'s calls to ``ipex_train.lora``: a peft ``lora.Linear`` over a plain
-    ``nn.Linear`` whose forward is not already replaced on the instance. Each call still takes the fused path only
-    when it is plain LoRA on CPU tensors of one dtype (bf16 or fp32), else peft's own forward
-    (docs/compute_policy.md)."""
-    return _lora.routable(module)
-
-
 def attached(model: torch.nn.Module) -> ComputePolicyHandle | None:
     """The handle of the compute policy attached to ``model`` (by :func:`attach`), or None."""
     return _attached.get(model)
@@ -387,16 +358,9 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
         for module in (scoped if calls_attention(model) else ()):
             hooks.append(module.register_forward_pre_hook(_enter_attention_hook))
             hooks.append(module.register_forward_hook(_leave_attention_hook, always_call=True))
-        # Llama-family RMSNorm: ~10 autograd passes in torch ops, one fused pass per row here (docs/compute_policy.md).
-        # An instance-level forward, deleted again by the handle's remove().
-        hooks.extend(_rms_norm.swap(module) for module in model.modules() if routes_rms_norm(module))
-        # Post-norm output blocks: dropout + residual add + LayerNorm in one pass each way (docs/compute_policy.md).
-        hooks.extend(_add_norm.swap(module) for module in model.modules() if routes_add_norm(module))
-        # Patch embeddings (stride == kernel) as one GEMM over the unfolded patches (docs/compute_policy.md).
-        hooks.extend(_patch_embed.swap(module) for module in model.modules() if routes_patch_embedding(module))
-        # peft LoRA layers: the adapter's product summed into the base output by the matmul, no elementwise passes
-        # over the output (docs/compute_policy.md).
-        hooks.extend(_lora.swap(module) for module in model.modules() if routes_lora(module))
+        # Module routes (RMSNorm, post-norm add + LayerNorm, patch embeddings, LoRA): instance-level forwards,
+        # deleted again by the handle's remove() (docs/compute_policy.md).
+        hooks.extend(_routes.swap_all(model))
     else:
         for module in scoped:
             hooks.append(module.register_forward_pre_hook(_enter_hook))

@@ -1,0 +1,54 @@
+"""The native policy's module routes: which modules it runs through a kernel of ours by an instance-level forward
+(:mod:`._swap`), one predicate per route and the table :func:`swap_all` walks."""
+from __future__ import annotations
+
+import torch
+
+from . import _add_norm, _lora, _patch_embed, _rms_norm
+
+
+def routes_rms_norm(module: torch.nn.Module) -> bool:
+    """Whether the native policy runs ``module`` through ``ipex_train.rms_norm``: a Hugging Face RMSNorm whose class
+    computes exactly LlamaRMSNorm's formula (Llama, Mistral, Mixtral, Qwen2/3 and their MoE variants, Phi-3) and
+    whose forward is not already replaced on the instance. Only its bf16 inputs go to the kernel."""
+    return _rms_norm.routable(module)
+
+
+def routes_add_norm(module: torch.nn.Module) -> bool:
+    """Whether the native policy runs ``module``'s dropout + residual add + LayerNorm through ``ipex_train.add_norm``:
+    a Hugging Face post-norm output block of ``_add_norm.POST_NORM_OUTPUT`` (BERT, RoBERTa and kin) over a plain
+    ``nn.Dropout`` and ``nn.LayerNorm``, whose forward is not already replaced on the instance. Calls the kernel
+    cannot compute as the class does (hooks, autocast, other dtypes) run the class's ops."""
+    return _add_norm.routable(module)
+
+
+def routes_patch_embedding(module: torch.nn.Module) -> bool:
+    """Whether the native policy computes ``module`` as a GEMM over unfolded patches: a plain ``nn.Conv2d`` whose
+    stride equals its kernel (above 1), without padding, dilation or groups, whose forward is not already replaced on
+    the instance. Only its batched bf16 CPU inputs take the GEMM."""
+    return _patch_embed.routable(module)
+
+
+def routes_lora(module: torch.nn.Module) -> bool:
+    """Whether the native policy routes ``module``'s calls to ``ipex_train.lora``: a peft ``lora.Linear`` over a plain
+    ``nn.Linear`` whose forward is not already replaced on the instance. Each call still takes the fused path only
+    when it is plain LoRA on CPU tensors of one dtype (bf16 or fp32), else peft's own forward
+    (docs/compute_policy.md)."""
+    return _lora.routable(module)
+
+
+# (predicate, swap) per route, in the order attach() applies them. Llama-family RMSNorm: ~10 autograd passes in torch
+# ops, one fused pass per row here; post-norm blocks: dropout + residual add + LayerNorm in one pass each way; patch
+# embeddings (stride == kernel) as one GEMM over the unfolded patches; peft LoRA: the adapter's product summed into
+# the base output by the matmul.
+ROUTES = (
+    (routes_rms_norm, _rms_norm.swap),
+    (routes_add_norm, _add_norm.swap),
+    (routes_patch_embedding, _patch_embed.swap),
+    (routes_lora, _lora.swap),
+)
+
+
+def swap_all(model: torch.nn.Module) -> list:
+    """Swap in the routed forward of every module of ``model`` a route takes; the handles' ``remove()`` undo it."""
+    return [swap(module) for routable, swap in ROUTES for module in model.modules() if routable(module)]
