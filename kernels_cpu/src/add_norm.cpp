@@ -9,6 +9,7 @@
 
 #include <cmath>
 
+#include "dropout_keys.h"
 #include "variants.h"
 
 namespace ipex_train {
@@ -51,22 +52,6 @@ int64_t seed_of(const at::Tensor& seed) {
 
 void check_p(double p) {
   TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, kOp, ": p must be in [0, 1), got ", p);
-}
-
-// splitmix64's finalizer of the seed and the row's index: the row's two dropout keys (as ipex_train.attention's).
-Dropout dropout_of(double p, int64_t seed, int64_t row) {
-  Dropout d{};
-  d.enabled = p > 0.0;
-  if (!d.enabled) return d;
-  d.threshold = static_cast<uint32_t>(p * 16777216.0 + 0.5);
-  d.scale = static_cast<float>(1.0 / (1.0 - p));
-  uint64_t k = static_cast<uint64_t>(seed) + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(row + 1);
-  k = (k ^ (k >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  k = (k ^ (k >> 27)) * 0x94d049bb133111ebULL;
-  k ^= k >> 31;
-  d.key0 = static_cast<uint32_t>(k);
-  d.key1 = static_cast<uint32_t>(k >> 32);
-  return d;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_forward(

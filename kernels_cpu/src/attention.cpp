@@ -10,31 +10,13 @@
 
 #include <vector>
 
+#include "dropout_keys.h"
 #include "variants.h"
 
 namespace ipex_train {
 namespace {
 
 constexpr const char* kOp = "ipex_train::attention_forward";
-
-// splitmix64's finalizer: per-row dropout keys from the op's seed and the row's index in [B, Hq, S].
-uint64_t mix64(uint64_t x) {
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-Dropout dropout_of(double p, int64_t seed, int64_t row) {
-  Dropout d{};
-  d.enabled = p > 0.0;
-  if (!d.enabled) return d;
-  d.threshold = static_cast<uint32_t>(p * 16777216.0 + 0.5);
-  d.scale = static_cast<float>(1.0 / (1.0 - p));
-  const uint64_t k = mix64(static_cast<uint64_t>(seed) + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(row + 1));
-  d.key0 = static_cast<uint32_t>(k);
-  d.key1 = static_cast<uint32_t>(k >> 32);
-  return d;
-}
 
 // [B, Hq, S, X] -> [B, Hk, G*S, X] (a view when the G query heads of a group are adjacent in memory).
 at::Tensor group(const at::Tensor& x, int64_t hk) {
