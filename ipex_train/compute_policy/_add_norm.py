@@ -16,8 +16,8 @@ from ._swap import Swap
 
 # Hugging Face classes whose forward is exactly BertSelfOutput's (dense, dropout, LayerNorm(h + input_tensor)) and
 # whose __init__ builds nn.Linear / nn.LayerNorm / nn.Dropout, checked in the transformers 5.x source (an AST
-# comparison of the forward bodies). Other classes share that forward (ELECTRA, ERNIE, ...) but are not listed until
-# checked the same way; DeBERTa's share it with their own LayerNorm class, which the type checks below refuse anyway.
+# comparison of the forward bodies). Many other classes share that forward but are not listed until checked the same
+# way; DeBERTa's share it with their own LayerNorm class, which the type checks below refuse anyway.
 POST_NORM_OUTPUT = frozenset({
     "BertSelfOutput", "BertOutput", "RobertaSelfOutput", "RobertaOutput", "XLMRobertaSelfOutput", "XLMRobertaOutput",
     "CamembertSelfOutput", "CamembertOutput", "ElectraSelfOutput", "ElectraOutput", "Data2VecTextSelfOutput",
