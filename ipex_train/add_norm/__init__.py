@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..base import ops as _ops
 from . import _op
 
 __all__ = ["add_layer_norm", "supports"]
@@ -71,11 +72,6 @@ def _check(x, residual, weight, bias, eps, p, training) -> None:
         raise TypeError(f"training must be a bool, got {type(training).__name__}")
 
 
-def _seed(p: float) -> torch.Tensor:
-    if p > 0.0:
-        return torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    return torch.zeros(1, dtype=torch.int64)
-
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                    eps: float, p: float = 0.0, training: bool = False) -> torch.Tensor:
@@ -99,4 +95,4 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
         weight = torch.ones(n, dtype=param_dtype)
     if bias is None:
         bias = torch.zeros(n, dtype=param_dtype)
-    return _op.forward(x, residual, weight, bias, float(eps), p, _seed(p))
+    return _op.forward(x, residual, weight, bias, float(eps), p, _ops.dropout_seed(p))

@@ -109,11 +109,6 @@ def _use_tiles(query, key, value, is_causal: bool) -> bool:
     return key.shape[2] >= (CAUSAL_TILES_FROM_KEYS if is_causal else TILES_FROM_KEYS) and _tiles_run(query, value)
 
 
-def _seed(dropout_p: float) -> torch.Tensor:
-    if dropout_p > 0.0:
-        return torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    return torch.zeros(1, dtype=torch.int64)
-
 
 def _additive(mask: torch.Tensor) -> torch.Tensor:
     """The mask as the fp32 additive form the op reads, on the mask's own (broadcast) shape."""
@@ -134,7 +129,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    seed = _seed(dropout_p)
+    seed = _ops.dropout_seed(dropout_p)
     mask = None if attn_mask is None else _additive(attn_mask)
     # Contiguous before the op, not inside it: the op saves its inputs, and the kernel copied Hugging Face's
     # transposed (batch, seq, heads, dim) views once in forward and again in backward. The copies replace the

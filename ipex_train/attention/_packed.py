@@ -81,7 +81,7 @@ def attend_causal(query, key, value, doc_starts, attn_mask=None, dropout_p: floa
     """Causal attention restricted per query to keys from ``doc_starts`` (int32 (batch, seq), or None for plain
     causal), combined with ``attn_mask`` (boolean or additive, broadcastable to (batch, heads, seq, seq), or None).
     Computed by the tiled kernel where it runs, else by torch with the equivalent mask."""
-    from . import _additive, _seed, _tiles_run, supports  # the package imports this module
+    from . import _additive, _ops, _tiles_run, supports  # the package imports this module
 
     b, _, s, _ = query.shape
     if key.shape[2] != s:
@@ -95,7 +95,7 @@ def attend_causal(query, key, value, doc_starts, attn_mask=None, dropout_p: floa
     plain_ok = supports(query, key, value, attn_mask, dropout_p, False, scale, enable_gqa)
     if plain_ok and _tiles_run(query, value):
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-        seed = _seed(dropout_p)
+        seed = _ops.dropout_seed(dropout_p)
         mask = None if attn_mask is None else _additive(attn_mask)
         return _op.flash_forward(query.contiguous(), key.contiguous(), value.contiguous(), mask, doc_starts,
                                  float(dropout_p), True, float(scale), seed)

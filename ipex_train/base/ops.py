@@ -80,6 +80,15 @@ def _register_fakes() -> None:
 _register_fakes()
 
 
+def dropout_seed(p: float) -> torch.Tensor:
+    """The seed of one call of a kernel with hash dropout (attention, add_norm), as a one-element int64 tensor (so
+    that torch.compile keeps it in the graph): drawn from torch's default generator when ``p > 0`` (so
+    ``torch.manual_seed`` makes the masks reproducible), else 0 without drawing."""
+    if p > 0.0:
+        return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    return torch.zeros(1, dtype=torch.int64)
+
+
 def split_bf16(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split an fp32 tensor into its bf16 top (nearest, ties away from zero) and int16 residual.
 
