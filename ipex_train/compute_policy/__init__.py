@@ -28,7 +28,9 @@ Policies
     ``ipex_train.rms_norm`` on bf16 and fp32 CPU inputs: one fused pass per row forward and backward, the
     forward bit-identical to the module's own (docs/compute_policy.md). Hugging Face post-norm output blocks
     (``BertSelfOutput``/``BertOutput`` and the like, :func:`routes_add_norm`) run their dropout + residual add +
-    LayerNorm as ``ipex_train.add_norm``, one fused pass per row each way. Patch embeddings (a plain ``nn.Conv2d``
+    LayerNorm as ``ipex_train.add_norm``, one fused pass per row each way. Hugging Face Llama-family attention
+    layers (:func:`routes_rope`) rotate their query and key by ``ipex_train.rope``, one pass each way that writes
+    the attention's contiguous layout. Patch embeddings (a plain ``nn.Conv2d``
     whose stride equals its kernel, :func:`routes_patch_embedding`) run as one bf16 GEMM over the unfolded patches.
     peft ``lora.Linear`` layers (:func:`routes_lora`) run plain LoRA calls through ``ipex_train.lora``, one
     autograd node that sums the adapter's product into the base output in the matmul; any other call runs peft's own
@@ -100,7 +102,7 @@ from ..base import envvars as _envvars
 from ..base.choices import BF16_COMPUTE, parse_bf16_compute
 from . import _routes
 from ._mode import _AttentionMode, _EmulationMode
-from ._routes import routes_add_norm, routes_lora, routes_patch_embedding, routes_rms_norm
+from ._routes import routes_add_norm, routes_lora, routes_patch_embedding, routes_rms_norm, routes_rope
 
 __all__ = [
     "POLICIES",
@@ -115,6 +117,7 @@ __all__ = [
     "routes_rms_norm",
     "routes_add_norm",
     "routes_lora",
+    "routes_rope",
     "emulated_bf16",
     "ComputePolicyHandle",
 ]
@@ -247,8 +250,8 @@ class ComputePolicyHandle:
     def active(self) -> bool:
         """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs, in
         models that call attention (:func:`calls_attention`) to route it to ``ipex_train.attention``, and on the
-        RMSNorm modules, LoRA layers and patch embeddings it routes (:func:`routes_rms_norm`, :func:`routes_lora`,
-        :func:`routes_patch_embedding`))."""
+        modules it routes (:func:`routes_rms_norm`, :func:`routes_add_norm`, :func:`routes_rope`,
+        :func:`routes_lora`, :func:`routes_patch_embedding`))."""
         return bool(self._hooks)
 
     def remove(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _add_norm, _lora, _patch_embed, _rms_norm
+from . import _add_norm, _lora, _patch_embed, _rms_norm, _rope
 
 
 def routes_rms_norm(module: torch.nn.Module) -> bool:
@@ -20,6 +20,14 @@ def routes_add_norm(module: torch.nn.Module) -> bool:
     ``nn.Dropout`` and ``nn.LayerNorm``, whose forward is not already replaced on the instance. Calls the kernel
     cannot compute as the class does (hooks, autocast, other dtypes) run the class's ops."""
     return _add_norm.routable(module)
+
+
+def routes_rope(module: torch.nn.Module) -> bool:
+    """Whether the native policy rotates ``module``'s query and key through ``ipex_train.rope``: a Hugging Face
+    Llama-family attention layer (``_rope.LLAMA_ATTENTION``) whose forward and rotary helpers are the code the route
+    was checked against, with its class's forward. Calls under autocast or on tensors the kernel does not take run the
+    class's forward."""
+    return _rope.routable(module)
 
 
 def routes_patch_embedding(module: torch.nn.Module) -> bool:
@@ -38,12 +46,13 @@ def routes_lora(module: torch.nn.Module) -> bool:
 
 
 # (predicate, swap) per route, in the order attach() applies them. Llama-family RMSNorm: ~10 autograd passes in torch
-# ops, one fused pass per row here; post-norm blocks: dropout + residual add + LayerNorm in one pass each way; patch
-# embeddings (stride == kernel) as one GEMM over the unfolded patches; peft LoRA: the adapter's product summed into
-# the base output by the matmul.
+# ops, one fused pass per row here; post-norm blocks: dropout + residual add + LayerNorm in one pass each way;
+# Llama-family rotary embeddings in one pass that writes the attention's layout; patch embeddings (stride == kernel)
+# as one GEMM over the unfolded patches; peft LoRA: the adapter's product summed into the base output by the matmul.
 ROUTES = (
     (routes_rms_norm, _rms_norm.swap),
     (routes_add_norm, _add_norm.swap),
+    (routes_rope, _rope.swap),
     (routes_patch_embedding, _patch_embed.swap),
     (routes_lora, _lora.swap),
 )

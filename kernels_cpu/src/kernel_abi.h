@@ -120,6 +120,23 @@ struct AddNormGradRow {
   Dropout drop;
 };
 
+// One sequence position of a rotary embedding (rope_rows.h): for each of `heads` vectors of d elements (x at
+// x + h * x_head_stride, out likewise; strides in elements), out = x1 * cos - x2 * sin | x2 * cos + x1 * sin over the
+// halves, or its transpose when `inverse` (the backward). x, out, cos and sin share one dtype, fp32 when f32 else
+// bf16; cos and sin are the position's d values.
+struct RopeRow {
+  const void* x;
+  void* out;
+  const void* cos;
+  const void* sin;
+  int64_t heads;
+  int64_t x_head_stride;
+  int64_t out_head_stride;
+  int64_t d;
+  bool f32;
+  bool inverse;
+};
+
 // Per-ISA entry points: one per optimizer of ITR_OPTIMIZERS (optimizers.h), then the split-bf16 conversions.
 struct KernelTable {
   const char* name;
@@ -138,6 +155,7 @@ struct KernelTable {
   void (*rms_norm_grad_row)(const RmsNormGradRow& row);
   void (*add_norm_row)(const AddNormRow& row);  // add_norm_rows.h
   void (*add_norm_grad_row)(const AddNormGradRow& row);
+  void (*rope_row)(const RopeRow& row);  // rope_rows.h
 };
 
 // The entry of optimizer Opt in table t.
