@@ -56,12 +56,13 @@ ALLOWED = {
     "rms_norm": {"base"},
     "add_norm": {"base"},
     "rope": {"base"},
+    "swiglu": {"base"},
     "lora": {"base"},
     "xpu": {"base", "optim"},  # the same steps on SYCL queues
     "inference": {"base"},  # folding, export (TorchScript, AOTInductor)
     "precision": {"base"},  # what goes low precision, casts, master weights, channels-last, the optimize() record
     # how bf16 ops are computed; routes to our kernels
-    "compute_policy": {"base", "attention", "rms_norm", "add_norm", "lora", "rope"},
+    "compute_policy": {"base", "attention", "rms_norm", "add_norm", "lora", "rope", "swiglu"},
     "config": {"base"},  # OptimizeConfig
     "training": {"base", "optim", "precision"},  # the returned optimizer, the step inside backward
     "distributed": {"base", "optim", "precision", "training"},  # FSDP2

@@ -34,7 +34,8 @@ Policies
     whose stride equals its kernel, :func:`routes_patch_embedding`) run as one bf16 GEMM over the unfolded patches.
     peft ``lora.Linear`` layers (:func:`routes_lora`) run plain LoRA calls through ``ipex_train.lora``, one
     autograd node that sums the adapter's product into the base output in the matmul; any other call runs peft's own
-    forward.
+    forward. Hugging Face Llama-family MLPs over SiLU (:func:`routes_swiglu`) run ``silu(gate) * up`` as
+    ``ipex_train.swiglu``, one pass each way, between the projections they still call as modules.
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
@@ -102,7 +103,7 @@ from ..base import envvars as _envvars
 from ..base.choices import BF16_COMPUTE, parse_bf16_compute
 from . import _routes
 from ._mode import _AttentionMode, _EmulationMode
-from ._routes import routes_add_norm, routes_lora, routes_patch_embedding, routes_rms_norm, routes_rope
+from ._routes import routes_add_norm, routes_lora, routes_patch_embedding, routes_rms_norm, routes_rope, routes_swiglu
 
 __all__ = [
     "POLICIES",
@@ -118,6 +119,7 @@ __all__ = [
     "routes_add_norm",
     "routes_lora",
     "routes_rope",
+    "routes_swiglu",
     "emulated_bf16",
     "ComputePolicyHandle",
 ]
@@ -251,7 +253,7 @@ class ComputePolicyHandle:
         """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs, in
         models that call attention (:func:`calls_attention`) to route it to ``ipex_train.attention``, and on the
         modules it routes (:func:`routes_rms_norm`, :func:`routes_add_norm`, :func:`routes_rope`,
-        :func:`routes_lora`, :func:`routes_patch_embedding`))."""
+        :func:`routes_swiglu`, :func:`routes_lora`, :func:`routes_patch_embedding`))."""
         return bool(self._hooks)
 
     def remove(self) -> None:
@@ -330,7 +332,8 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     (:func:`calls_attention`), routes ``F.scaled_dot_product_attention`` to ``ipex_train.attention`` over the same
     scope as "emulated"; it also runs the Hugging Face RMSNorm modules of :func:`routes_rms_norm` through
     ``ipex_train.rms_norm``, the post-norm output blocks of :func:`routes_add_norm` through ``ipex_train.add_norm``,
-    the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora`` and the patch
+    the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora``, the Llama-family MLPs of
+    :func:`routes_swiglu` through ``ipex_train.swiglu`` and the patch
     embeddings of :func:`routes_patch_embedding` as one GEMM (instance-level forwards, removed on detach). Attaching
     again returns the existing handle for the same policy, or replaces a different one.
     """

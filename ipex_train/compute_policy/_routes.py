@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _add_norm, _lora, _patch_embed, _rms_norm, _rope
+from . import _add_norm, _lora, _patch_embed, _rms_norm, _rope, _swiglu
 
 
 def routes_rms_norm(module: torch.nn.Module) -> bool:
@@ -30,6 +30,14 @@ def routes_rope(module: torch.nn.Module) -> bool:
     return _rope.routable(module)
 
 
+def routes_swiglu(module: torch.nn.Module) -> bool:
+    """Whether the native policy runs ``module``'s ``act_fn(gate_proj(x)) * up_proj(x)`` through
+    ``ipex_train.swiglu``: a Hugging Face Llama-family MLP of ``_swiglu.LLAMA_MLP`` with a SiLU activation, whose
+    forward is not already replaced on the instance. The projections still run as modules; calls the kernel cannot
+    compute as the class does (hooks on the activation, autocast, other dtypes) run the class's ops."""
+    return _swiglu.routable(module)
+
+
 def routes_patch_embedding(module: torch.nn.Module) -> bool:
     """Whether the native policy computes ``module`` as a GEMM over unfolded patches: a plain ``nn.Conv2d`` whose
     stride equals its kernel (above 1), without padding, dilation or groups, whose forward is not already replaced on
@@ -48,13 +56,15 @@ def routes_lora(module: torch.nn.Module) -> bool:
 # (predicate, swap) per route, in the order attach() applies them. Llama-family RMSNorm: ~10 autograd passes in torch
 # ops, one fused pass per row here; post-norm blocks: dropout + residual add + LayerNorm in one pass each way;
 # Llama-family rotary embeddings in one pass that writes the attention's layout; patch embeddings (stride == kernel)
-# as one GEMM over the unfolded patches; peft LoRA: the adapter's product summed into the base output by the matmul.
+# as one GEMM over the unfolded patches; peft LoRA: the adapter's product summed into the base output by the matmul;
+# Llama-family MLPs: silu(gate) * up in one pass each way.
 ROUTES = (
     (routes_rms_norm, _rms_norm.swap),
     (routes_add_norm, _add_norm.swap),
     (routes_rope, _rope.swap),
     (routes_patch_embedding, _patch_embed.swap),
     (routes_lora, _lora.swap),
+    (routes_swiglu, _swiglu.swap),
 )
 
 

@@ -137,6 +137,28 @@ struct RopeRow {
   bool inverse;
 };
 
+// A contiguous span of SwiGLU (swiglu_rows.h): y = silu(gate) * up, fp32 inside, rounded once. gate, up and y share
+// one dtype (f32: fp32, else bf16).
+struct SiluMulSpan {
+  const void* gate;
+  const void* up;
+  void* y;
+  int64_t n;
+  bool f32;
+};
+
+// Its backward: d_gate = dy * up * silu'(gate), d_up = dy * silu(gate), in fp32 and rounded once; every tensor of
+// the span in one dtype (f32 as above).
+struct SiluMulGradSpan {
+  const void* dy;
+  const void* gate;
+  const void* up;
+  void* d_gate;
+  void* d_up;
+  int64_t n;
+  bool f32;
+};
+
 // Per-ISA entry points: one per optimizer of ITR_OPTIMIZERS (optimizers.h), then the split-bf16 conversions.
 struct KernelTable {
   const char* name;
@@ -156,6 +178,8 @@ struct KernelTable {
   void (*add_norm_row)(const AddNormRow& row);  // add_norm_rows.h
   void (*add_norm_grad_row)(const AddNormGradRow& row);
   void (*rope_row)(const RopeRow& row);  // rope_rows.h
+  void (*silu_mul)(const SiluMulSpan& span);  // swiglu_rows.h
+  void (*silu_mul_grad)(const SiluMulGradSpan& span);
 };
 
 // The entry of optimizer Opt in table t.

@@ -38,6 +38,7 @@ struct IsaTag {};  // makes every storage and element template instantiated here
 #include "rms_norm_rows.h"   // after attention_rows.h, whose column helpers it uses
 #include "add_norm_rows.h"   // after rms_norm_rows.h, whose row helpers it uses
 #include "rope_rows.h"       // likewise
+#include "swiglu_rows.h"     // likewise
 
 namespace ipex_train {
 namespace {
@@ -284,7 +285,7 @@ void q8_decode(StateCodec c, const void* codes, const float* scales, float* out,
 extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_OPTIMIZERS(ITR_ENTRY) split_bf16, combine_bf16, q8_encode, q8_decode,
                                      attn::softmax_row, attn::softmax_grad_row, rmsn::rms_norm_row,
                                      rmsn::rms_norm_grad_row, addn::add_norm_row, addn::add_norm_grad_row,
-                                     rope::rope_row};
+                                     rope::rope_row, swiglu::silu_mul, swiglu::silu_mul_grad};
 #undef ITR_ENTRY
 
 }  // namespace ipex_train

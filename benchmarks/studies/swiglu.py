@@ -1,0 +1,128 @@
+"""SwiGLU's gating: torch's ``F.silu(gate) * up`` against ``ipex_train.swiglu``'s fused op, alone and in a whole
+Llama training step.
+
+``python -m benchmarks.studies.swiglu [--json PATH] [--threads N] [--op-rounds 15] [--step-rounds 5] [--no-step]
+[--no-op]``
+
+Why: the native policy routes Hugging Face Llama-family MLPs to the fused op
+(:func:`ipex_train.compute_policy.routes_swiglu`). This measures the evidence on the machine at hand:
+
+- op: forward + backward (grads of gate and up), bf16, at (1, 2048, 2048) and (4, 256, 2048) (a Llama MLP of
+  intermediate size 2048 over 2048 and 1024 tokens); torch and fused called alternately in interleaved rounds
+  (median ms, and the median of the per-round ratio fused / torch).
+- step: the benchmark suite's ``llama_s256`` model (8-layer Llama, hidden 768, MLP 2048, b4 s256, fed embeddings)
+  under ``optimize(dtype=bf16, bf16_compute="native")``, MSE on its head, SGD momentum; routed against the same
+  model with ``routes_swiglu`` patched to False, steps interleaved with a second unrouted instance (``control``:
+  the ratio two identical models give here).
+
+Backs docs/compute_policy.md, "SwiGLU".
+"""
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import report
+from benchmarks.common.timing import interleaved
+
+BF16 = torch.bfloat16
+OP_SHAPES = ((1, 2048, 2048), (4, 256, 2048))
+
+
+def _op_row(shape: tuple, rounds: int) -> dict:
+    from ipex_train.swiglu import silu_mul
+
+    gen = torch.Generator().manual_seed(0)
+    gate = (torch.randn(shape, generator=gen) * 2).to(BF16).requires_grad_()
+    up = torch.randn(shape, generator=gen).to(BF16).requires_grad_()
+    g = torch.randn(shape, generator=gen).to(BF16)
+
+    def unfused():
+        return torch.autograd.grad(F.silu(gate) * up, (gate, up), g)
+
+    def fused():
+        return torch.autograd.grad(silu_mul(gate, up), (gate, up), g)
+
+    rs = interleaved({"torch": unfused, "fused": fused}, rounds, repeats=5, warmup=3)
+    med = rs.median()
+    return {"shape": list(shape), "torch_ms": med["torch"] * 1e3, "fused_ms": med["fused"] * 1e3,
+            "ratio": rs.paired("fused", "torch").median}
+
+
+def _llama_step(routed: bool):
+    """A zero-argument step of a fresh ``llama_s256`` under optimize(bf16, native), and how many MLPs it routed."""
+    import ipex_train
+    from benchmarks.common.train_models import MODELS, NUM_CLASSES
+    from ipex_train.compute_policy import _swiglu
+
+    spec = MODELS["llama_s256"]
+    torch.manual_seed(0)
+    model = spec.build().train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    with mock.patch.object(_swiglu, "routable", _swiglu.routable if routed else (lambda module: False)):
+        model, opt = ipex_train.optimize(model, opt, dtype=BF16, bf16_compute="native")
+    n_routed = sum("forward" in vars(m) and type(m).__name__ == "LlamaMLP" for m in model.modules())
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(spec.input_shape, generator=gen)
+    target = torch.randn(spec.input_shape[0], NUM_CLASSES, generator=gen)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = (model(x).float() - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+
+    return step, n_routed
+
+
+def _step_row(rounds: int) -> dict:
+    routed, n_routed = _llama_step(True)
+    plain, n_plain = _llama_step(False)
+    # A second unrouted instance: the noise floor for the routed / unrouted ratio.
+    control, _ = _llama_step(False)
+    rs = interleaved({"unrouted": plain, "routed": routed, "control": control}, rounds, warmup=2)
+    med = rs.median()
+    return {"model": "llama_s256", "mlps_routed": n_routed, "mlps_routed_in_unrouted": n_plain,
+            "unrouted_ms": med["unrouted"] * 1e3, "routed_ms": med["routed"] * 1e3,
+            "control_ms": med["control"] * 1e3, "ratio": rs.paired("routed", "unrouted").median,
+            "ratio_spread": rs.paired("routed", "unrouted").spread,
+            "control_ratio": rs.paired("control", "unrouted").median,
+            "samples_ms": {name: [t * 1e3 for t in times] for name, times in rs.per_round.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Time the op rows and the step row, print tables and return (and optionally write) the JSON."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--op-rounds", type=int, default=15)
+    p.add_argument("--step-rounds", type=int, default=5)
+    p.add_argument("--no-step", action="store_true", help="only the op rows")
+    p.add_argument("--no-op", action="store_true", help="only the step row")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ops = []
+    if not args.no_op:
+        print(f"op bf16 fwd+bwd: {'shape':>16}{'torch':>9}{'fused':>9}{'ratio':>7}  (ms)")
+    for shape in () if args.no_op else OP_SHAPES:
+        row = _op_row(shape, args.op_rounds)
+        ops.append(row)
+        print(f"{'':<17}{str(shape):>16}{row['torch_ms']:9.2f}{row['fused_ms']:9.2f}{row['ratio']:7.3f}", flush=True)
+    steps = []
+    if not args.no_step:
+        row = _step_row(args.step_rounds)
+        steps.append(row)
+        print(f"llama_s256 step: unrouted {row['unrouted_ms']:.1f} routed {row['routed_ms']:.1f} ratio "
+              f"{row['ratio']:.3f} (spread {row['ratio_spread']:.3f}) control {row['control_ms']:.1f} ratio "
+              f"{row['control_ratio']:.3f} ms; MLPs routed {row['mlps_routed']} / in unrouted "
+              f"{row['mlps_routed_in_unrouted']}", flush=True)
+    return report.write(args.json, {"meta": {"threads": torch.get_num_threads()}, "op": ops, "step": steps},
+                        indent=1)
+
+
+if __name__ == "__main__":
+    main()
