@@ -124,3 +124,26 @@ def test_sycl_step_is_reported():
     m, opt = ipex_train.optimize(model, torch.optim.SGD(model.parameters(), lr=0.1), sycl=True)
     s = ipex_train.summary(m, opt)
     assert s.sycl and s.fused_step == "sgd" and "fused sgd step on SYCL" in str(s)
+
+
+def test_module_routes_are_counted(caplog):
+    transformers = pytest.importorskip("transformers")
+    import ipex_train.compute_policy as cp
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.INFO, logger="ipex_train"):
+        model, opt = ipex_train.optimize(model, opt, dtype=torch.bfloat16)
+    s = ipex_train.summary(model, opt)
+    if s.compute_policy != "native":
+        assert s.routed_modules == ()  # the emulated policy routes no modules
+        return
+    # 2 decoder layers: 2 RMSNorms each plus the final one; one MLP and one attention layer each.
+    assert s.routed_modules == (("rms_norm", 5), ("swiglu", 2), ("rope", 2))
+    assert "modules routed to fused kernels: 5 rms_norm, 2 swiglu, 2 rope" in str(s)
+    assert json.loads(json.dumps(s.to_dict()))["routed_modules"] == {"rms_norm": 5, "swiglu": 2, "rope": 2}
+    assert _lines(caplog) == [str(s)]
+    cp.attached(model).remove()  # detached: nothing routed any more, and the summary says so
+    assert ipex_train.summary(model, opt).routed_modules == ()

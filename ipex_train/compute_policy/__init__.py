@@ -103,7 +103,9 @@ from ..base import envvars as _envvars
 from ..base.choices import BF16_COMPUTE, parse_bf16_compute
 from . import _routes
 from ._mode import _AttentionMode, _EmulationMode
-from ._routes import routes_add_norm, routes_lora, routes_patch_embedding, routes_rms_norm, routes_rope, routes_swiglu
+from ._routes import (
+    routed_modules, routes_add_norm, routes_lora, routes_patch_embedding, routes_rms_norm, routes_rope, routes_swiglu,
+)
 
 __all__ = [
     "POLICIES",
@@ -119,6 +121,7 @@ __all__ = [
     "routes_add_norm",
     "routes_lora",
     "routes_rope",
+    "routed_modules",
     "routes_swiglu",
     "emulated_bf16",
     "ComputePolicyHandle",

@@ -68,6 +68,29 @@ ROUTES = (
 )
 
 
+# The forward each route sets on a module, by the route's name (what routed_modules counts).
+ROUTED_FORWARDS = (
+    ("rms_norm", _rms_norm.forward),
+    ("add_norm", _add_norm.forward),
+    ("swiglu", _swiglu.forward),
+    ("rope", _rope.forward),
+    ("patch_embedding", _patch_embed.forward),
+    ("lora", _lora.forward),
+)
+
+
+def routed_modules(model: torch.nn.Module) -> dict[str, int]:
+    """How many modules of ``model`` each module route currently runs (route name -> count; routes with none are
+    left out, the others in the order of ROUTED_FORWARDS), read from the modules' instance-level forwards."""
+    name_of = {forward: name for name, forward in ROUTED_FORWARDS}
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        name = name_of.get(getattr(vars(module).get("forward"), "__func__", None))
+        if name is not None:
+            counts[name] = counts.get(name, 0) + 1
+    return {name: counts[name] for name, _ in ROUTED_FORWARDS if name in counts}
+
+
 def swap_all(model: torch.nn.Module) -> list:
     """Swap in the routed forward of every module of ``model`` a route takes; the handles' ``remove()`` undo it."""
     return [swap(module) for routable, swap in ROUTES for module in model.modules() if routable(module)]

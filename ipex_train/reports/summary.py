@@ -58,7 +58,10 @@ class OptimizeSummary:
     fp32 truth (already bf16/fp16, or rounded with frozen_weights="low_precision"); frozen_weights: training, the
     optimize() option ("lossless" or "low_precision"). nonfinite_grads: training, the non-finite-gradient guard
     ("skip", "raise", or None when off); nonfinite_skipped_steps / nonfinite_skipped_parameters: the steps it
-    skipped (and, with step_in_backward, the parameter steps).
+    skipped (and, with step_in_backward, the parameter steps). routed_modules: under the native policy, (route,
+    modules) for each module route that runs some of the model's modules through a kernel of ours
+    (:func:`ipex_train.compute_policy.routed_modules`: RMSNorm, add + LayerNorm, SwiGLU, rotary embedding, patch
+    embedding, LoRA).
     """
 
     mode: str
@@ -80,6 +83,7 @@ class OptimizeSummary:
     nonfinite_grads: str | None = None
     nonfinite_skipped_steps: int = 0
     nonfinite_skipped_parameters: int = 0
+    routed_modules: tuple[tuple[str, int], ...] = ()
 
     @property
     def kept_tensors(self) -> int:
@@ -95,6 +99,7 @@ class OptimizeSummary:
         """The summary as plain dicts, lists and scalars (JSON-ready)."""
         data = asdict(self)
         data["kept"] = [dict(k, modules=list(k["modules"])) for k in data["kept"]]
+        data["routed_modules"] = dict(self.routed_modules)
         return data
 
     def __str__(self) -> str:
@@ -108,7 +113,10 @@ class OptimizeSummary:
             parts[0] += ": " + ", ".join(f"{k.tensors} {k.reason} [{', '.join(k.modules)}]" for k in self.kept)
         parts.append(f"compute policy {self.compute_policy or 'none'}"
                      + (f" ({self.fp32_compute_convs} depthwise convs computed in fp32: oneDNN's bf16 backward is "
-                        "slow for them)" if self.fp32_compute_convs else ""))
+                        "slow for them)" if self.fp32_compute_convs else "")
+                     + (" (modules routed to fused kernels: " + ", ".join(f"{n} {name}" for name, n in
+                                                                        self.routed_modules) + ")"
+                        if self.routed_modules else ""))
         if self.mode == "training":
             step = f"fused {self.fused_step} step" if self.fused_step else "own (unfused) step"
             parts.append(f"{self.optimizer}: {step}{' on SYCL' if self.sycl else ''}"
@@ -203,6 +211,7 @@ def summary(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
         step_in_backward=isinstance(optimizer, TrainingOptimizer) and optimizer.step_in_backward,
         fp32_compute_convs=sum(map(compute_policy.slow_bf16_depthwise, model.modules()))
         if handle is not None and handle.policy == "native" else 0,
+        routed_modules=tuple(compute_policy.routed_modules(model).items()) if handle is not None else (),
         frozen_tensors=len(frozen), frozen_elements=sum(local(p).numel() for p in frozen),
         frozen_without_truth_elements=sum(local(p).numel() for p in frozen
                                           if p.dtype in LOW_PRECISION and p not in aux),
