@@ -104,7 +104,13 @@ from ..base.choices import BF16_COMPUTE, parse_bf16_compute
 from . import _routes
 from ._mode import _AttentionMode, _EmulationMode
 from ._routes import (
-    routed_modules, routes_add_norm, routes_lora, routes_patch_embedding, routes_rms_norm, routes_rope, routes_swiglu,
+    routed_modules,
+    routes_add_norm,
+    routes_lora,
+    routes_patch_embedding,
+    routes_rms_norm,
+    routes_rope,
+    routes_swiglu,
 )
 
 __all__ = [
