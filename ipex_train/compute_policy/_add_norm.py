@@ -9,10 +9,9 @@ forward, or, once ``self.dense`` has run, the class's remaining ops.
 from __future__ import annotations
 
 import torch
-from torch.nn.modules import module as _module_globals
 
 from .. import add_norm as _fused
-from ._swap import Swap
+from ._swap import Swap, global_hooks, plain
 
 # Hugging Face classes whose forward is exactly BertSelfOutput's (dense, dropout, LayerNorm(h + input_tensor)) and
 # whose __init__ builds nn.Linear / nn.LayerNorm / nn.Dropout, checked in the transformers 5.x source (an AST
@@ -23,12 +22,6 @@ POST_NORM_OUTPUT = frozenset({
     "CamembertSelfOutput", "CamembertOutput", "ElectraSelfOutput", "ElectraOutput", "Data2VecTextSelfOutput",
     "Data2VecTextOutput", "ErnieSelfOutput", "ErnieOutput",
 })
-
-
-def _plain(module) -> bool:
-    """No hooks and no instance-level forward: calling it runs exactly its class's forward."""
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in vars(module))
 
 
 def routable(module: torch.nn.Module) -> bool:
@@ -43,18 +36,12 @@ def routable(module: torch.nn.Module) -> bool:
             and len(norm.normalized_shape) == 1)
 
 
-def _global_hooks() -> bool:
-    g = _module_globals
-    return bool(g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
-                or g._global_backward_pre_hooks)
-
-
 def _fusable(self, input_tensor) -> bool:
     """What can be checked before ``self.dense`` runs: the submodules as at routing, without hooks, and no autocast
     (under which torch's LayerNorm computes and returns fp32)."""
     norm, drop = self.LayerNorm, self.dropout
-    return (type(norm) is torch.nn.LayerNorm and type(drop) is torch.nn.Dropout and _plain(norm) and _plain(drop)
-            and len(norm.normalized_shape) == 1 and 0.0 <= drop.p < 1.0 and not _global_hooks()
+    return (type(norm) is torch.nn.LayerNorm and type(drop) is torch.nn.Dropout and plain(norm) and plain(drop)
+            and len(norm.normalized_shape) == 1 and 0.0 <= drop.p < 1.0 and not global_hooks()
             and not torch.is_autocast_enabled("cpu")
             and isinstance(input_tensor, torch.Tensor) and input_tensor.device.type == "cpu")
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 import sys
 
 import torch
-from torch.nn.modules import module as _nn_module
 
 from .. import lora as _fused
 from ._mode import _EmulationMode
-from ._swap import Swap
+from ._swap import Swap, global_hooks
 
 # optimize()'s forward pre-hooks on converted layers (ipex_train.precision.casts): they cast floating inputs to the
 # layer's parameter dtype, or low-precision inputs to fp32 on a layer with fp32 matrices. The fused path runs only
@@ -22,8 +21,6 @@ from ._swap import Swap
 # compute_policy sits below precision in the layers.
 _NO_OP_HOOKS = frozenset({("ipex_train.precision.casts", "cast_inputs"),
                           ("ipex_train.precision.casts", "upcast_inputs")})
-_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
 
 
 def _peft_linear():
@@ -60,7 +57,7 @@ def _identity(dropout: torch.nn.Module) -> bool:
 def _plain_context() -> bool:
     """No autocast (it would recast the matmuls' operands), no emulated scope (bf16 matmuls would be computed in
     fp32 forward but not in our backward), no global module hooks (the layers' calls would skip them)."""
-    if torch.is_autocast_enabled("cpu") or any(getattr(_nn_module, name) for name in _GLOBAL_HOOKS):
+    if torch.is_autocast_enabled("cpu") or global_hooks():
         return False
     return not any(isinstance(mode, _EmulationMode) for mode in torch.overrides._get_current_function_mode_stack())
 

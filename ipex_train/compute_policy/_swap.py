@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.nn.modules import module as _module_globals
 
 
 class Swap:
@@ -27,3 +28,17 @@ class Swap:
         bound = vars(module).get("forward")
         if isinstance(bound, types.MethodType) and bound.__func__ is self._forward:
             del module.forward
+
+
+def plain(module: torch.nn.Module) -> bool:
+    """No hooks and no instance-level forward: calling ``module`` runs exactly its class's forward (what a route
+    that skips calling a submodule, and computes its op itself, must check)."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or "forward" in vars(module))
+
+
+def global_hooks() -> bool:
+    """Whether module hooks registered for every module are present (a route skipping a submodule would skip them)."""
+    g = _module_globals
+    return bool(g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
+                or g._global_backward_pre_hooks)

@@ -10,10 +10,9 @@ projections have run, the class's remaining ops.
 from __future__ import annotations
 
 import torch
-from torch.nn.modules import module as _module_globals
 
 from .. import swiglu as _fused
-from ._swap import Swap
+from ._swap import Swap, global_hooks, plain
 
 # Hugging Face classes whose forward is exactly LlamaMLP's (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`), checked
 # in the transformers 5.x source by an AST comparison of the forward bodies (tests/test_swiglu_route.py repeats it
@@ -32,12 +31,6 @@ def _silu(act) -> bool:
     return type(act) in (SiLUActivation, torch.nn.SiLU) and "forward" not in vars(act)
 
 
-def _plain(module) -> bool:
-    """No hooks and no instance-level forward: calling it runs exactly its class's forward."""
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in vars(module))
-
-
 def routable(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a Hugging Face MLP of :data:`LLAMA_MLP` with its class's own forward, module
     projections and a SiLU activation."""
@@ -49,16 +42,10 @@ def routable(module: torch.nn.Module) -> bool:
     return all(isinstance(p, torch.nn.Module) for p in projections) and _silu(getattr(module, "act_fn", None))
 
 
-def _global_hooks() -> bool:
-    g = _module_globals
-    return bool(g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
-                or g._global_backward_pre_hooks)
-
-
 def _fusable(self) -> bool:
     """What can be checked before the projections run: the activation as at routing, without hooks, and no
     autocast (under which the projections' outputs, and so silu's and the product's dtypes, are autocast's)."""
-    return _silu(self.act_fn) and _plain(self.act_fn) and not _global_hooks() and not torch.is_autocast_enabled("cpu")
+    return _silu(self.act_fn) and plain(self.act_fn) and not global_hooks() and not torch.is_autocast_enabled("cpu")
 
 
 def forward(self, x):
