@@ -162,3 +162,17 @@ def test_detach_restores_and_pickled_copy_runs():
     assert torch.isfinite(deep(input_ids=IDS[:1, :4]).logits.float()).all()
     cp.attached(model).remove()
     assert all("forward" not in vars(m) and cp.routes_rope(m) for m in layers)
+
+
+@native
+def test_routed_model_compiles():
+    model, _ = _optimized(_llama())
+    eager = model(input_ids=IDS, labels=IDS).loss
+    torch._dynamo.reset()
+    with OpNames() as ops:
+        loss = torch.compile(model)(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    assert "ipex_train.rope_forward" in ops.names
+    assert abs(loss.item() - eager.item()) <= 1e-3 * abs(eager.item())
+    layer = next(m for m in model.modules() if isinstance(m, LlamaAttention))
+    assert layer.q_proj.weight.grad is not None
