@@ -150,3 +150,17 @@ def best_of_rounds(variants: Mapping[str, Callable[[], object]], rounds: int, re
     """Seconds per call of each variant: its best over ``rounds`` interleaved rounds of ``repeats`` back-to-back
     calls each, after one warm-up call."""
     return interleaved(variants, rounds, repeats, warmup=1).best()
+
+
+def routed_against_unrouted(routed: Callable[[], object], unrouted: Callable[[], object],
+                            control: Callable[[], object], rounds: int, warmup: int = 2) -> dict:
+    """A route's whole-step study: steps of the routed model, the same model unrouted, and a second unrouted
+    instance (``control``: how far two identical models' steps differ here, the noise floor of the ratio), in
+    interleaved rounds. Median ms of each, the paired median ratio routed / unrouted and its spread, control /
+    unrouted, and every round's sample."""
+    rs = interleaved({"unrouted": unrouted, "routed": routed, "control": control}, rounds, warmup=warmup)
+    med = rs.median()
+    return {"unrouted_ms": med["unrouted"] * 1e3, "routed_ms": med["routed"] * 1e3, "control_ms": med["control"] * 1e3,
+            "ratio": rs.paired("routed", "unrouted").median, "ratio_spread": rs.paired("routed", "unrouted").spread,
+            "control_ratio": rs.paired("control", "unrouted").median,
+            "samples_ms": {name: [t * 1e3 for t in times] for name, times in rs.per_round.items()}}

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import report
-from benchmarks.common.timing import interleaved
+from benchmarks.common.timing import interleaved, routed_against_unrouted
 
 BF16 = torch.bfloat16
 SHAPE = (8, 128, 768)
@@ -92,14 +92,8 @@ def _step_row(dropout: float, rounds: int) -> dict:
     # A second unrouted instance of the same model: how far two identical models' steps differ here (allocation
     # and cache placement), the noise floor for the routed / unrouted ratio.
     control, _ = _bert_step(dropout, False)
-    rs = interleaved({"unrouted": plain, "routed": routed, "control": control}, rounds, warmup=2)
-    med = rs.median()
     return {"hidden_dropout": dropout, "blocks_routed": n_routed, "blocks_routed_in_unrouted": n_plain,
-            "unrouted_ms": med["unrouted"] * 1e3, "routed_ms": med["routed"] * 1e3,
-            "control_ms": med["control"] * 1e3, "ratio": rs.paired("routed", "unrouted").median,
-            "ratio_spread": rs.paired("routed", "unrouted").spread,
-            "control_ratio": rs.paired("control", "unrouted").median,
-            "samples_ms": {name: [t * 1e3 for t in times] for name, times in rs.per_round.items()}}
+            **routed_against_unrouted(routed, plain, control, rounds)}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -26,7 +26,7 @@ from unittest import mock
 import torch
 
 from benchmarks.common import report
-from benchmarks.common.timing import interleaved
+from benchmarks.common.timing import interleaved, routed_against_unrouted
 
 BF16 = torch.bfloat16
 HEADS, KV_HEADS, HEAD_DIM = 12, 4, 64
@@ -101,13 +101,8 @@ def _step_row(name: str, build, rounds: int) -> dict:
     routed, model = build(True)
     plain, _ = build(False)
     control, _ = build(False)
-    rs = interleaved({"unrouted": plain, "routed": routed, "control": control}, rounds, warmup=2)
-    med = rs.median()
-    return {"model": name, "layers_routed": _routed_layers(model), "unrouted_ms": med["unrouted"] * 1e3,
-            "routed_ms": med["routed"] * 1e3, "control_ms": med["control"] * 1e3,
-            "ratio": rs.paired("routed", "unrouted").median, "ratio_spread": rs.paired("routed", "unrouted").spread,
-            "control_ratio": rs.paired("control", "unrouted").median,
-            "samples_ms": {k: [t * 1e3 for t in times] for k, times in rs.per_round.items()}}
+    return {"model": name, "layers_routed": _routed_layers(model),
+            **routed_against_unrouted(routed, plain, control, rounds)}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import report
-from benchmarks.common.timing import interleaved
+from benchmarks.common.timing import interleaved, routed_against_unrouted
 
 BF16 = torch.bfloat16
 OP_SHAPES = ((1, 2048, 2048), (4, 256, 2048))
@@ -83,14 +83,8 @@ def _step_row(rounds: int) -> dict:
     plain, n_plain = _llama_step(False)
     # A second unrouted instance: the noise floor for the routed / unrouted ratio.
     control, _ = _llama_step(False)
-    rs = interleaved({"unrouted": plain, "routed": routed, "control": control}, rounds, warmup=2)
-    med = rs.median()
     return {"model": "llama_s256", "mlps_routed": n_routed, "mlps_routed_in_unrouted": n_plain,
-            "unrouted_ms": med["unrouted"] * 1e3, "routed_ms": med["routed"] * 1e3,
-            "control_ms": med["control"] * 1e3, "ratio": rs.paired("routed", "unrouted").median,
-            "ratio_spread": rs.paired("routed", "unrouted").spread,
-            "control_ratio": rs.paired("control", "unrouted").median,
-            "samples_ms": {name: [t * 1e3 for t in times] for name, times in rs.per_round.items()}}
+            **routed_against_unrouted(routed, plain, control, rounds)}
 
 
 def main(argv: list[str] | None = None) -> dict:
