@@ -10,11 +10,11 @@ slightly different update differently; the attention key biases, whose gradient 
 ~1e-9 of rounding noise that differs by as much, which the 1e-6 covers).
 """
 import copy
-import pickle
 
 import pytest
 import torch
 from op_names import OpNames
+from route_checks import detach_restores_and_attach_again
 
 import ipex_train
 import ipex_train.compute_policy as cp
@@ -205,21 +205,8 @@ def test_routable_classes():
 @native
 def test_detach_restores_and_attach_again():
     model, _ = _optimized(_bert())
-    blocks = _blocks(model)
-    assert all(cp.routes_add_norm(m) is False for m in blocks)  # already routed
-    with torch.no_grad():
-        routed = model(input_ids=IDS).last_hidden_state
-    cp.attached(model).remove()
-    assert all("forward" not in vars(m) and cp.routes_add_norm(m) for m in blocks)
-    with OpNames() as ops, torch.no_grad():
-        plain = model(input_ids=IDS).last_hidden_state
-    assert OURS not in ops.names
-    assert (routed.float() - plain.float()).abs().max().item() <= 2**-5 * plain.float().abs().max().item()
-    handle = cp.attach(model, "native")
-    assert all("forward" in vars(m) for m in blocks)
-    copy_ = pickle.loads(pickle.dumps(model))
-    assert torch.isfinite(copy_(input_ids=IDS).last_hidden_state.float()).all()
-    handle.remove()
+    detach_restores_and_attach_again(model, _blocks(model), cp.routes_add_norm, OURS,
+                                     lambda m: m(input_ids=IDS).last_hidden_state)
 
 
 def test_emulated_policy_does_not_route():

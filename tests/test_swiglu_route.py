@@ -11,13 +11,13 @@ import ast
 import copy
 import importlib
 import inspect
-import pickle
 import textwrap
 import warnings
 
 import pytest
 import torch
 from op_names import OpNames
+from route_checks import detach_restores_and_attach_again
 
 import ipex_train
 import ipex_train.compute_policy as cp
@@ -227,21 +227,8 @@ def test_listed_classes_have_llamas_forward():
 @native
 def test_detach_restores_and_attach_again():
     model, _ = _optimized(_llama())
-    mlps = _mlps(model)
-    assert all(cp.routes_swiglu(m) is False for m in mlps)  # already routed
-    with torch.no_grad():
-        routed = model(input_ids=IDS).logits
-    cp.attached(model).remove()
-    assert all("forward" not in vars(m) and cp.routes_swiglu(m) for m in mlps)
-    with OpNames() as ops, torch.no_grad():
-        plain = model(input_ids=IDS).logits
-    assert OURS not in ops.names
-    assert (routed.float() - plain.float()).abs().max().item() <= 2**-5 * plain.float().abs().max().item()
-    handle = cp.attach(model, "native")
-    assert all("forward" in vars(m) for m in mlps)
-    copy_ = pickle.loads(pickle.dumps(model))
-    assert torch.isfinite(copy_(input_ids=IDS).logits.float()).all()
-    handle.remove()
+    detach_restores_and_attach_again(model, _mlps(model), cp.routes_swiglu, OURS,
+                                     lambda m: m(input_ids=IDS).logits)
 
 
 def test_emulated_policy_does_not_route():
