@@ -164,3 +164,23 @@ def routed_against_unrouted(routed: Callable[[], object], unrouted: Callable[[],
             "ratio": rs.paired("routed", "unrouted").median, "ratio_spread": rs.paired("routed", "unrouted").spread,
             "control_ratio": rs.paired("control", "unrouted").median,
             "samples_ms": {name: [t * 1e3 for t in times] for name, times in rs.per_round.items()}}
+
+
+def op_and_step_arguments(description: str, argv: list[str] | None = None):
+    """The command line of a fused op's study (op rows, then whole-step rows): --json, --threads (applied here),
+    --op-rounds, --step-rounds, --no-step, --no-op."""
+    import argparse
+
+    import torch
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--op-rounds", type=int, default=15)
+    p.add_argument("--step-rounds", type=int, default=5)
+    p.add_argument("--no-step", action="store_true", help="only the op rows")
+    p.add_argument("--no-op", action="store_true", help="only the step rows")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args

@@ -20,14 +20,13 @@ Backs docs/compute_policy.md, "Dropout + residual add + LayerNorm".
 """
 from __future__ import annotations
 
-import argparse
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import report
-from benchmarks.common.timing import interleaved, routed_against_unrouted
+from benchmarks.common.timing import interleaved, op_and_step_arguments, routed_against_unrouted
 
 BF16 = torch.bfloat16
 SHAPE = (8, 128, 768)
@@ -98,16 +97,7 @@ def _step_row(dropout: float, rounds: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     """Time the op rows and the step rows, print tables and return (and optionally write) the JSON."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--op-rounds", type=int, default=15)
-    p.add_argument("--step-rounds", type=int, default=5)
-    p.add_argument("--no-step", action="store_true", help="only the op rows")
-    p.add_argument("--no-op", action="store_true", help="only the step rows")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = op_and_step_arguments(__doc__.splitlines()[0], argv)
     ops = []
     if not args.no_op:
         print(f"op {SHAPE} bf16 x, fp32 weight: {'residual':>9}{'p':>5}{'torch':>9}{'fused':>9}{'ratio':>7}  (ms)")

@@ -26,7 +26,7 @@ from unittest import mock
 import torch
 
 from benchmarks.common import report
-from benchmarks.common.timing import interleaved, routed_against_unrouted
+from benchmarks.common.timing import interleaved, op_and_step_arguments, routed_against_unrouted
 
 BF16 = torch.bfloat16
 HEADS, KV_HEADS, HEAD_DIM = 12, 4, 64
@@ -107,16 +107,7 @@ def _step_row(name: str, build, rounds: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     """Time the op rows and the step rows, print tables and return (and optionally write) the JSON."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--op-rounds", type=int, default=15)
-    p.add_argument("--step-rounds", type=int, default=5)
-    p.add_argument("--no-step", action="store_true", help="only the op rows")
-    p.add_argument("--no-op", action="store_true", help="only the step rows")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = op_and_step_arguments(__doc__.splitlines()[0], argv)
     ops = []
     if not args.no_op:
         print(f"op q {HEADS}x{HEAD_DIM}, k {KV_HEADS}x{HEAD_DIM}, bf16: {'batch':>6}{'seq':>6}{'torch':>9}{'fused':>9}"

@@ -19,14 +19,13 @@ Backs docs/compute_policy.md, "SwiGLU".
 """
 from __future__ import annotations
 
-import argparse
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import report
-from benchmarks.common.timing import interleaved, routed_against_unrouted
+from benchmarks.common.timing import interleaved, op_and_step_arguments, routed_against_unrouted
 
 BF16 = torch.bfloat16
 OP_SHAPES = ((1, 2048, 2048), (4, 256, 2048))
@@ -89,16 +88,7 @@ def _step_row(rounds: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     """Time the op rows and the step row, print tables and return (and optionally write) the JSON."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--op-rounds", type=int, default=15)
-    p.add_argument("--step-rounds", type=int, default=5)
-    p.add_argument("--no-step", action="store_true", help="only the op rows")
-    p.add_argument("--no-op", action="store_true", help="only the step row")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = op_and_step_arguments(__doc__.splitlines()[0], argv)
     ops = []
     if not args.no_op:
         print(f"op bf16 fwd+bwd: {'shape':>16}{'torch':>9}{'fused':>9}{'ratio':>7}  (ms)")
