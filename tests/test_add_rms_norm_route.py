@@ -219,3 +219,14 @@ def test_emulated_policy_does_not_route():
     with OpNames() as ops:
         _train(model, opt, steps=1)
     assert OURS not in ops.names
+
+
+@native
+def test_fp32_residual_stream_is_fused():
+    # As benchmarks' llama_s256: fp32 embeddings keep the residual stream fp32 while the attention's output is bf16,
+    # a pair the kernel takes (the sum fp32, as torch's promotion of `residual + h`).
+    model, _ = _optimized(_llama())
+    embeds = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(0))
+    with OpNames() as ops:
+        model(inputs_embeds=embeds, labels=IDS).loss.backward()
+    assert ops.names.count(OURS) == LAYERS and ops.names.count(OURS_BACKWARD) == LAYERS
