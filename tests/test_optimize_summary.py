@@ -140,10 +140,12 @@ def test_module_routes_are_counted(caplog):
     if s.compute_policy != "native":
         assert s.routed_modules == ()  # the emulated policy routes no modules
         return
-    # 2 decoder layers: 2 RMSNorms each plus the final one; one MLP and one attention layer each.
-    assert s.routed_modules == (("rms_norm", 5), ("swiglu", 2), ("rope", 2))
-    assert "modules routed to fused kernels: 5 rms_norm, 2 swiglu, 2 rope" in str(s)
-    assert json.loads(json.dumps(s.to_dict()))["routed_modules"] == {"rms_norm": 5, "swiglu": 2, "rope": 2}
+    # 2 decoder layers: 2 RMSNorms each plus the final one; one MLP, one attention layer and one residual add +
+    # post-attention norm each.
+    assert s.routed_modules == (("rms_norm", 5), ("swiglu", 2), ("rope", 2), ("add_rms_norm", 2))
+    assert "modules routed to fused kernels: 5 rms_norm, 2 swiglu, 2 rope, 2 add_rms_norm" in str(s)
+    assert json.loads(json.dumps(s.to_dict()))["routed_modules"] == {"rms_norm": 5, "swiglu": 2, "rope": 2,
+                                                                     "add_rms_norm": 2}
     assert _lines(caplog) == [str(s)]
     cp.attached(model).remove()  # detached: nothing routed any more, and the summary says so
     assert ipex_train.summary(model, opt).routed_modules == ()

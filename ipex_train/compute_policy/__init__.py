@@ -35,7 +35,9 @@ Policies
     peft ``lora.Linear`` layers (:func:`routes_lora`) run plain LoRA calls through ``ipex_train.lora``, one
     autograd node that sums the adapter's product into the base output in the matmul; any other call runs peft's own
     forward. Hugging Face Llama-family MLPs over SiLU (:func:`routes_swiglu`) run ``silu(gate) * up`` as
-    ``ipex_train.swiglu``, one pass each way, between the projections they still call as modules.
+    ``ipex_train.swiglu``, one pass each way, between the projections they still call as modules. Hugging Face
+    Llama-family decoder layers (:func:`routes_add_rms_norm`) run their residual add + post-attention RMSNorm as
+    ``ipex_train.rms_norm.add_rms_norm``, one pass each way (the forward's bits are the layer's own).
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
@@ -106,6 +108,7 @@ from ._mode import _AttentionMode, _EmulationMode
 from ._routes import (
     routed_modules,
     routes_add_norm,
+    routes_add_rms_norm,
     routes_lora,
     routes_patch_embedding,
     routes_rms_norm,
@@ -125,6 +128,7 @@ __all__ = [
     "routes_patch_embedding",
     "routes_rms_norm",
     "routes_add_norm",
+    "routes_add_rms_norm",
     "routes_lora",
     "routes_rope",
     "routed_modules",

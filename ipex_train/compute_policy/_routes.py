@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _add_norm, _lora, _patch_embed, _rms_norm, _rope, _swiglu
+from . import _add_norm, _add_rms_norm, _lora, _patch_embed, _rms_norm, _rope, _swiglu
 
 
 def routes_rms_norm(module: torch.nn.Module) -> bool:
@@ -20,6 +20,15 @@ def routes_add_norm(module: torch.nn.Module) -> bool:
     ``nn.Dropout`` and ``nn.LayerNorm``, whose forward is not already replaced on the instance. Calls the kernel
     cannot compute as the class does (hooks, autocast, other dtypes) run the class's ops."""
     return _add_norm.routable(module)
+
+
+def routes_add_rms_norm(module: torch.nn.Module) -> bool:
+    """Whether the native policy runs ``module``'s residual add + ``post_attention_layernorm`` through
+    ``ipex_train.rms_norm.add_rms_norm``: a Hugging Face Llama-family decoder layer (``_add_rms_norm.LLAMA_DECODER``)
+    whose forward is the code the route was checked against, with its class's forward. The attention, MLP and input
+    norm still run as modules; calls the kernel cannot compute as the class does (hooks on the norm, autocast, other
+    dtypes, a norm of another formula) run the class's forward or ops."""
+    return _add_rms_norm.routable(module)
 
 
 def routes_rope(module: torch.nn.Module) -> bool:
@@ -57,7 +66,8 @@ def routes_lora(module: torch.nn.Module) -> bool:
 # ops, one fused pass per row here; post-norm blocks: dropout + residual add + LayerNorm in one pass each way;
 # Llama-family rotary embeddings in one pass that writes the attention's layout; patch embeddings (stride == kernel)
 # as one GEMM over the unfolded patches; peft LoRA: the adapter's product summed into the base output by the matmul;
-# Llama-family MLPs: silu(gate) * up in one pass each way.
+# Llama-family MLPs: silu(gate) * up in one pass each way; Llama-family decoder layers: the residual add and the
+# post-attention RMSNorm in one pass each way.
 ROUTES = (
     (routes_rms_norm, _rms_norm.swap),
     (routes_add_norm, _add_norm.swap),
@@ -65,6 +75,7 @@ ROUTES = (
     (routes_patch_embedding, _patch_embed.swap),
     (routes_lora, _lora.swap),
     (routes_swiglu, _swiglu.swap),
+    (routes_add_rms_norm, _add_rms_norm.swap),
 )
 
 
@@ -76,6 +87,7 @@ ROUTED_FORWARDS = (
     ("rope", _rope.forward),
     ("patch_embedding", _patch_embed.forward),
     ("lora", _lora.forward),
+    ("add_rms_norm", _add_rms_norm.forward),
 )
 
 

@@ -78,6 +78,39 @@ struct RmsNormGradRow {
   bool w_f32;
 };
 
+// One row of residual add + RMSNorm forward (rms_norm_rows.h): s = round(x + residual) (round: to the residual's
+// dtype, as torch's `residual + x` rounds), then the RmsNormRow of s (y; the row's rstd returned). x is bf16 or fp32
+// (x_f32); residual and sum share one dtype (s_f32: fp32, else bf16, then x is bf16 too); w_f32 as RmsNormRow's.
+struct AddRmsNormRow {
+  const void* x;
+  const void* residual;
+  const void* weight;
+  void* sum;
+  void* y;
+  int64_t n;
+  float eps;
+  bool x_f32;
+  bool s_f32;
+  bool w_f32;
+};
+
+// Its backward: ds = RmsNormGradRow's dx of the sum + dsum, rounded once to the sum's dtype (dsum has it); dx = ds in
+// x's dtype, written only when dx is not null; dw += dy * round(xhat) into an fp32 accumulator of n.
+struct AddRmsNormGradRow {
+  const void* dy;
+  const void* dsum;
+  const void* sum;
+  const void* weight;
+  void* ds;
+  void* dx;
+  float* dw;
+  int64_t n;
+  float rstd;
+  bool x_f32;
+  bool s_f32;
+  bool w_f32;
+};
+
 // One row of dropout + residual add + LayerNorm forward (add_norm_rows.h): s = round(x * keep + residual) (round: to
 // the residual's dtype, as the unfused module's `h + input_tensor` rounds), mean and rstd = 1 / sqrt(var(s) + eps)
 // in fp32, y = (s - mean) * rstd * w + b. keep: drop's keep-scale of each column (1 when !drop.enabled). x is bf16
@@ -175,6 +208,8 @@ struct KernelTable {
   void (*softmax_grad_row)(const SoftmaxGradRow& row);
   float (*rms_norm_row)(const RmsNormRow& row);  // rms_norm_rows.h; returns the row's rstd
   void (*rms_norm_grad_row)(const RmsNormGradRow& row);
+  float (*add_rms_norm_row)(const AddRmsNormRow& row);  // rms_norm_rows.h; returns the row's rstd
+  void (*add_rms_norm_grad_row)(const AddRmsNormGradRow& row);
   void (*add_norm_row)(const AddNormRow& row);  // add_norm_rows.h
   void (*add_norm_grad_row)(const AddNormGradRow& row);
   void (*rope_row)(const RopeRow& row);  // rope_rows.h

@@ -284,7 +284,8 @@ void q8_decode(StateCodec c, const void* codes, const float* scales, float* out,
 #define ITR_ENTRY(name, args) Loops<fused::name>::entry(),
 extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_OPTIMIZERS(ITR_ENTRY) split_bf16, combine_bf16, q8_encode, q8_decode,
                                      attn::softmax_row, attn::softmax_grad_row, rmsn::rms_norm_row,
-                                     rmsn::rms_norm_grad_row, addn::add_norm_row, addn::add_norm_grad_row,
+                                     rmsn::rms_norm_grad_row, rmsn::add_rms_norm_row, rmsn::add_rms_norm_grad_row,
+                                     addn::add_norm_row, addn::add_norm_grad_row,
                                      rope::rope_row, swiglu::silu_mul, swiglu::silu_mul_grad};
 #undef ITR_ENTRY
 

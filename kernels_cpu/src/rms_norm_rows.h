@@ -145,24 +145,61 @@ float rms_norm_row_impl(const RmsNormRow& r) {
   return rstd;
 }
 
+// The backward of one row of x (bf16 or fp32) up to its rounding: put(a, j, g) receives columns j.. of x's fp32
+// gradient (the caller stores it, adding any other gradient first); dw accumulates dy * round(xhat) in fp32.
+template <class X, bool W32, class Put>
+void grad_row(const void* dy, const X* x, const void* weight, float* dw, int64_t n, float rstd, const Put& put) {
+  constexpr bool Y32 = kY32<X, W32>;
+  auto dot = attn::start<attn::Sum>(0.0f);
+  attn::columns(n, [&](auto a, int64_t j) {
+    using A = decltype(a);
+    dot.add(load<Y32, A>(dy, j) * load<W32, A>(weight, j) * (x_at<A>(x, j) * rstd));
+  });
+  const float c = dot.total() / float(n);
+  attn::columns(n, [&](auto a, int64_t j) {
+    using A = decltype(a);
+    const auto d = load<Y32, A>(dy, j);
+    const auto xhat = x_at<A>(x, j) * rstd;
+    put(a, j, (d * load<W32, A>(weight, j) - xhat * c) * rstd);
+    // The weight's gradient is that of the forward as rounded: y = w * round(xhat).
+    attn::store_f32<A>(dw, j, attn::load_f32<A>(dw, j) + d * as_input<X>(xhat));
+  });
+}
+
 template <class X, bool W32>
 void rms_norm_grad_row_impl(const RmsNormGradRow& r) {
-  constexpr bool Y32 = kY32<X, W32>;
-  const X* x = static_cast<const X*>(r.x);
-  const float rstd = r.rstd;
-  auto dot = attn::start<attn::Sum>(0.0f);
-  attn::columns(r.n, [&](auto a, int64_t j) {
-    using A = decltype(a);
-    dot.add(load<Y32, A>(r.dy, j) * load<W32, A>(r.weight, j) * (x_at<A>(x, j) * rstd));
+  X* dx = static_cast<X*>(r.dx);
+  grad_row<X, W32>(r.dy, static_cast<const X*>(r.x), r.weight, r.dw, r.n, r.rstd, [&](auto a, int64_t j, auto g) {
+    put_x<decltype(a)>(dx, j, g);
   });
-  const float c = dot.total() / float(r.n);
+}
+
+// Residual add + RMSNorm (ipex_train.rms_norm.add_rms_norm): the sum rounded to its dtype S (the residual's) and
+// stored, then the RMSNorm row above on the stored sum, so y has the bits rms_norm gives on that sum.
+template <class X, class S, bool W32>
+float add_rms_norm_row_impl(const AddRmsNormRow& r) {
+  const X* x = static_cast<const X*>(r.x);
+  const S* res = static_cast<const S*>(r.residual);
+  S* s = static_cast<S*>(r.sum);
   attn::columns(r.n, [&](auto a, int64_t j) {
     using A = decltype(a);
-    const auto dy = load<Y32, A>(r.dy, j);
-    const auto xhat = x_at<A>(x, j) * rstd;
-    put_x<A>(static_cast<X*>(r.dx), j, (dy * load<W32, A>(r.weight, j) - xhat * c) * rstd);
-    // The weight's gradient is that of the forward as rounded: y = w * round(xhat).
-    attn::store_f32<A>(r.dw, j, attn::load_f32<A>(r.dw, j) + dy * as_input<X>(xhat));
+    put_x<A>(s, j, x_at<A>(x, j) + x_at<A>(res, j));
+  });
+  return rms_norm_row_impl<S, W32>({r.sum, r.weight, r.y, r.n, r.eps, std::is_same<S, float>::value, W32});
+}
+
+// Its backward: the sum's total gradient (RMSNorm's plus the sum's own, dsum) rounded once to S, and to x's dtype
+// when that differs (dx not null).
+template <class X, class S, bool W32>
+void add_rms_norm_grad_row_impl(const AddRmsNormGradRow& r) {
+  const S* dsum = static_cast<const S*>(r.dsum);
+  S* ds = static_cast<S*>(r.ds);
+  X* dx = static_cast<X*>(r.dx);
+  grad_row<S, W32>(r.dy, static_cast<const S*>(r.sum), r.weight, r.dw, r.n, r.rstd, [&](auto a, int64_t j, auto g) {
+    using A = decltype(a);
+    const auto total = g + x_at<A>(dsum, j);
+    put_x<A>(ds, j, total);
+    if (dx != nullptr) put_x<A>(dx, j, total);
   });
 }
 
@@ -179,6 +216,29 @@ void rms_norm_grad_row(const RmsNormGradRow& r) {
     if (r.w_f32) rms_norm_grad_row_impl<uint16_t, true>(r);
     else rms_norm_grad_row_impl<uint16_t, false>(r);
   }
+}
+
+// The dispatch over the three (x, sum) dtype pairs (both fp32, bf16 x and an fp32 sum, both bf16) and the weight's.
+template <class X, class S, class Row>
+void add_rms_norm_grad_with(const Row& r) {
+  if (r.w_f32) add_rms_norm_grad_row_impl<X, S, true>(r);
+  else add_rms_norm_grad_row_impl<X, S, false>(r);
+}
+
+template <class X, class S>
+float add_rms_norm_with(const AddRmsNormRow& r) {
+  return r.w_f32 ? add_rms_norm_row_impl<X, S, true>(r) : add_rms_norm_row_impl<X, S, false>(r);
+}
+
+float add_rms_norm_row(const AddRmsNormRow& r) {
+  if (r.x_f32) return add_rms_norm_with<float, float>(r);
+  return r.s_f32 ? add_rms_norm_with<uint16_t, float>(r) : add_rms_norm_with<uint16_t, uint16_t>(r);
+}
+
+void add_rms_norm_grad_row(const AddRmsNormGradRow& r) {
+  if (r.x_f32) add_rms_norm_grad_with<float, float>(r);
+  else if (r.s_f32) add_rms_norm_grad_with<uint16_t, float>(r);
+  else add_rms_norm_grad_with<uint16_t, uint16_t>(r);
 }
 
 }  // namespace rmsn
