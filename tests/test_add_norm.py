@@ -13,7 +13,9 @@ measured relative to the reference's largest magnitude (``_err``):
   the row sums; measured 3e-7); grad_x within 2e-6 for fp32 x, 2**-7 for bf16 x (one bf16 rounding; measured
   3.2e-3).
 
-Routing by the native compute policy: tests/test_add_norm_route.py.
+``add_layer_norm_with_sum`` (the sum as a differentiable output): tests/test_add_norm_with_sum.py.
+
+Routing by the native compute policy: tests/test_add_norm_route.py (post-norm), tests/test_prenorm_route.py (pre-norm).
 """
 import pytest
 import torch
@@ -285,3 +287,4 @@ def test_torch_compile_full_graph():
     assert torch.equal(out, fn(x, r, w, b))
     out.sum().backward()
     assert x.grad.dtype == BF16 and r.grad.dtype == F32 and w.grad is not None
+

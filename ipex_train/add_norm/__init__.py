@@ -17,8 +17,13 @@ dense output), LayerNorm's mean, variance and normalization in fp32 on that sum,
 Gradients are computed in fp32 and rounded once to each input's dtype; the weight and bias gradients are summed
 over fixed blocks of rows in a fixed order, so they do not depend on the thread count.
 
+Pre-norm blocks (ViT's layers: ``s = dropout(attention) + residual``, then ``LayerNorm(s)`` feeds the MLP and ``s``
+the next residual add) use :func:`add_layer_norm_with_sum`: the same forward, the sum a differentiable output, its
+gradient added to the LayerNorm's in the backward's one pass per row.
+
 The ``bf16`` native compute policy of ``ipex_train.optimize`` routes Hugging Face's post-norm output blocks here
-(``ipex_train.compute_policy.routes_add_norm``; docs/compute_policy.md).
+(``ipex_train.compute_policy.routes_add_norm``) and ViT-family pre-norm layers
+(``ipex_train.compute_policy.routes_prenorm_add_norm``; docs/compute_policy.md).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from ..base import ops as _ops
 from . import _op
 
-__all__ = ["add_layer_norm", "supports"]
+__all__ = ["add_layer_norm", "add_layer_norm_with_sum", "supports"]
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -88,6 +93,30 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     p = float(p) if training else 0.0
     if not supports(x, residual, weight, bias):
         return F.layer_norm(F.dropout(x, p, True) + residual, (x.shape[-1],), weight, bias, float(eps))
+    return _op.forward(*_kernel_args(x, residual, weight, bias, eps, p))
+
+
+def add_layer_norm_with_sum(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                            bias: torch.Tensor | None, eps: float, p: float = 0.0,
+                            training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.layer_norm(s, (x.shape[-1],), weight, bias, eps), s)`` with ``s = F.dropout(x, p, training) + residual``,
+    as one autograd op: a pre-norm block's residual add and the LayerNorm that follows it (the sum goes on as the
+    residual stream, so both outputs are differentiable).
+
+    Arguments, dtypes and dropout as :func:`add_layer_norm`; both outputs have the residual's dtype where
+    :func:`supports` holds (the sum rounded once to it, y computed from the rounded sum). The backward adds the sum's
+    own gradient to the LayerNorm's in the same pass per row. Otherwise the torch expression above runs.
+    """
+    _check(x, residual, weight, bias, eps, p, training)
+    p = float(p) if training else 0.0
+    if not supports(x, residual, weight, bias):
+        s = F.dropout(x, p, True) + residual
+        return F.layer_norm(s, (x.shape[-1],), weight, bias, float(eps)), s
+    return _op.forward_with_sum(*_kernel_args(x, residual, weight, bias, eps, p))
+
+
+def _kernel_args(x, residual, weight, bias, eps, p):
+    """The op's arguments: None weight / bias as ones / zeros of the other's dtype (fp32 if both are None), a seed."""
     param_dtype = (weight if weight is not None else bias).dtype if (weight is not None or bias is not None) \
         else torch.float32
     n = x.shape[-1]
@@ -95,4 +124,4 @@ def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
         weight = torch.ones(n, dtype=param_dtype)
     if bias is None:
         bias = torch.zeros(n, dtype=param_dtype)
-    return _op.forward(x, residual, weight, bias, float(eps), p, _ops.dropout_seed(p))
+    return x, residual, weight, bias, float(eps), p, _ops.dropout_seed(p)

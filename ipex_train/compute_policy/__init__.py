@@ -28,7 +28,9 @@ Policies
     ``ipex_train.rms_norm`` on bf16 and fp32 CPU inputs: one fused pass per row forward and backward, the
     forward bit-identical to the module's own (docs/compute_policy.md). Hugging Face post-norm output blocks
     (``BertSelfOutput``/``BertOutput`` and the like, :func:`routes_add_norm`) run their dropout + residual add +
-    LayerNorm as ``ipex_train.add_norm``, one fused pass per row each way. Hugging Face Llama-family attention
+    LayerNorm as ``ipex_train.add_norm``, one fused pass per row each way; pre-norm encoder layers (ViT's and those
+    with its forward, :func:`routes_prenorm_add_norm`) the residual add after the attention and the LayerNorm after
+    it, the sum kept as the residual stream. Hugging Face Llama-family attention
     layers (:func:`routes_rope`) rotate their query and key by ``ipex_train.rope``, one pass each way that writes
     the attention's contiguous layout. Patch embeddings (a plain ``nn.Conv2d``
     whose stride equals its kernel, :func:`routes_patch_embedding`) run as one bf16 GEMM over the unfolded patches.
@@ -111,6 +113,7 @@ from ._routes import (
     routes_add_rms_norm,
     routes_lora,
     routes_patch_embedding,
+    routes_prenorm_add_norm,
     routes_rms_norm,
     routes_rope,
     routes_swiglu,
@@ -129,6 +132,7 @@ __all__ = [
     "routes_rms_norm",
     "routes_add_norm",
     "routes_add_rms_norm",
+    "routes_prenorm_add_norm",
     "routes_lora",
     "routes_rope",
     "routed_modules",
@@ -265,7 +269,8 @@ class ComputePolicyHandle:
     def active(self) -> bool:
         """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs, in
         models that call attention (:func:`calls_attention`) to route it to ``ipex_train.attention``, and on the
-        modules it routes (:func:`routes_rms_norm`, :func:`routes_add_norm`, :func:`routes_rope`,
+        modules it routes (:func:`routes_rms_norm`, :func:`routes_add_norm`,
+        :func:`routes_prenorm_add_norm`, :func:`routes_rope`,
         :func:`routes_swiglu`, :func:`routes_lora`, :func:`routes_patch_embedding`))."""
         return bool(self._hooks)
 
@@ -344,7 +349,8 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     only around the depthwise convs of :func:`slow_bf16_depthwise`, and, in models that call attention
     (:func:`calls_attention`), routes ``F.scaled_dot_product_attention`` to ``ipex_train.attention`` over the same
     scope as "emulated"; it also runs the Hugging Face RMSNorm modules of :func:`routes_rms_norm` through
-    ``ipex_train.rms_norm``, the post-norm output blocks of :func:`routes_add_norm` through ``ipex_train.add_norm``,
+    ``ipex_train.rms_norm``, the post-norm output blocks of :func:`routes_add_norm` and the pre-norm layers of
+    :func:`routes_prenorm_add_norm` through ``ipex_train.add_norm``,
     the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora``, the Llama-family MLPs of
     :func:`routes_swiglu` through ``ipex_train.swiglu`` and the patch
     embeddings of :func:`routes_patch_embedding` as one GEMM (instance-level forwards, removed on detach). Attaching

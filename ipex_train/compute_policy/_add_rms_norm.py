@@ -22,7 +22,7 @@ import torch
 
 from .. import rms_norm as _fused
 from . import _rms_norm
-from ._code import digest
+from ._source import digest
 from ._swap import Swap, global_hooks
 
 # Classes whose forward was LlamaDecoderLayer's, token for token, in transformers 5.24 and whose post-attention norm
@@ -33,7 +33,7 @@ LLAMA_DECODER = frozenset({
     "Qwen3MoeDecoderLayer",
 })
 
-# The docstring-free syntax tree's hash (._code.digest) of the forward this route reproduces, decorator included.
+# The docstring-free syntax tree's hash (._source.digest) of the forward this route reproduces, decorator included.
 _CHECKED = "b555e7652f3e4349"
 
 # The arguments the class's forward passes self_attn, with its defaults.

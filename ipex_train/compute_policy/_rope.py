@@ -22,7 +22,7 @@ import sys
 import torch
 
 from .. import rope as _fused
-from ._code import digest
+from ._source import digest
 from ._swap import Swap
 
 # Classes whose forward was LlamaAttention's, token for token, in transformers 5.24 (and whose modules define the

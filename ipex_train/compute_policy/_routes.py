@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _add_norm, _add_rms_norm, _lora, _patch_embed, _rms_norm, _rope, _swiglu
+from . import _add_norm, _add_rms_norm, _lora, _patch_embed, _prenorm, _rms_norm, _rope, _swiglu
 
 
 def routes_rms_norm(module: torch.nn.Module) -> bool:
@@ -29,6 +29,16 @@ def routes_add_rms_norm(module: torch.nn.Module) -> bool:
     norm still run as modules; calls the kernel cannot compute as the class does (hooks on the norm, autocast, other
     dtypes, a norm of another formula) run the class's forward or ops."""
     return _add_rms_norm.routable(module)
+
+
+def routes_prenorm_add_norm(module: torch.nn.Module) -> bool:
+    """Whether the native policy runs ``module``'s residual add after the attention and the LayerNorm that follows it
+    through ``ipex_train.add_norm.add_layer_norm_with_sum``: a Hugging Face pre-norm encoder layer whose forward is the
+    code the route was checked against (``_prenorm._CHECKED``: ViT's, shared by DeiT, ViT-MAE and kin) over a plain
+    ``nn.LayerNorm`` and ``nn.Dropout``, not already replaced on the instance. The attention, the MLP and the other
+    norm still run as modules; calls the kernel cannot compute as the class does (hooks on the norm or the dropout,
+    autocast, other dtypes) run the class's ops."""
+    return _prenorm.routable(module)
 
 
 def routes_rope(module: torch.nn.Module) -> bool:
@@ -64,6 +74,7 @@ def routes_lora(module: torch.nn.Module) -> bool:
 
 # (predicate, swap) per route, in the order attach() applies them. Llama-family RMSNorm: ~10 autograd passes in torch
 # ops, one fused pass per row here; post-norm blocks: dropout + residual add + LayerNorm in one pass each way;
+# pre-norm (ViT) layers: the same after the attention, the sum passed on as the residual stream;
 # Llama-family rotary embeddings in one pass that writes the attention's layout; patch embeddings (stride == kernel)
 # as one GEMM over the unfolded patches; peft LoRA: the adapter's product summed into the base output by the matmul;
 # Llama-family MLPs: silu(gate) * up in one pass each way; Llama-family decoder layers: the residual add and the
@@ -71,6 +82,7 @@ def routes_lora(module: torch.nn.Module) -> bool:
 ROUTES = (
     (routes_rms_norm, _rms_norm.swap),
     (routes_add_norm, _add_norm.swap),
+    (routes_prenorm_add_norm, _prenorm.swap),
     (routes_rope, _rope.swap),
     (routes_patch_embedding, _patch_embed.swap),
     (routes_lora, _lora.swap),
@@ -83,6 +95,7 @@ ROUTES = (
 ROUTED_FORWARDS = (
     ("rms_norm", _rms_norm.forward),
     ("add_norm", _add_norm.forward),
+    ("prenorm_add_norm", _prenorm.forward),
     ("swiglu", _swiglu.forward),
     ("rope", _rope.forward),
     ("patch_embedding", _patch_embed.forward),

@@ -2,7 +2,8 @@
 // residual) over the last dim, one pass per row each way (add_norm_rows.h, per ISA), fp32 inside. x and residual
 // bf16 or fp32, of one dtype or bf16 x with an fp32 residual; y and the sum in the residual's dtype (torch's
 // promotion of x + residual); weight and bias fp32 or the residual's dtype. The forward also returns the sum (the
-// backward's only activation) and the per-row mean and rstd; the dropout mask is regenerated from the seed.
+// backward's only activation, and a pre-norm block's residual stream) and the per-row mean and rstd; the dropout mask
+// is regenerated from the seed. The backward takes the sum's own gradient when the sum was used (pre-norm).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -115,7 +116,8 @@ at::Tensor reduce_blocks(const at::Tensor& partial, int64_t first, int64_t width
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backward(
     const at::Tensor& grad_y, const at::Tensor& sum_in, const at::Tensor& weight_in, const at::Tensor& mean_in,
-    const at::Tensor& rstd_in, double p, const at::Tensor& seed_t, at::ScalarType x_dtype) {
+    const at::Tensor& rstd_in, double p, const at::Tensor& seed_t, at::ScalarType x_dtype,
+    const std::optional<at::Tensor>& grad_sum_in) {
   check_activation(sum_in, "sum");
   check_params(sum_in, weight_in, weight_in);
   check_p(p);
@@ -130,6 +132,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->numel() == rows, kOp,
                       ": mean and rstd must be the float32 per-row values of the forward");
   const at::Tensor dy = grad_y.to(sum.scalar_type()).contiguous();  // y's dtype
+  // The sum's own gradient (a pre-norm block's residual stream), absent (undefined) on the post-norm path.
+  const bool has_dsum = grad_sum_in.has_value() && grad_sum_in->defined();
+  if (has_dsum)
+    TORCH_CHECK_VALUE(grad_sum_in->sizes() == sum.sizes(), kOp, ": grad_sum must have the sum's shape ", sum.sizes(),
+                      ", got ", grad_sum_in->sizes());
+  const at::Tensor dsum = has_dsum ? grad_sum_in->to(sum.scalar_type()).contiguous() : at::Tensor();
   const at::Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
   const bool dropout = p > 0.0, own_dx = dropout || x_dtype != sum.scalar_type();
   at::Tensor ds = at::empty(sum.sizes(), sum.options());
@@ -140,6 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
   const KernelTable& kt = kernels();
   const auto* sp = static_cast<const char*>(sum.const_data_ptr());
   const auto* dyp = static_cast<const char*>(dy.const_data_ptr());
+  const auto* dsump = has_dsum ? static_cast<const char*>(dsum.const_data_ptr()) : nullptr;
   auto* dsp = static_cast<char*>(ds.data_ptr());
   auto* dxp = own_dx ? static_cast<char*>(dx.data_ptr()) : nullptr;
   const float* mp = mean.const_data_ptr<float>();
@@ -152,7 +161,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_layer_norm_backwa
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t r = b * kBlockRows; r < std::min(rows, (b + 1) * kBlockRows); ++r) {
         const int64_t off = r * s_row;
-        kt.add_norm_grad_row({dyp + off, sp + off, weight.const_data_ptr(), dsp + off,
+        kt.add_norm_grad_row({dyp + off, has_dsum ? dsump + off : nullptr, sp + off, weight.const_data_ptr(), dsp + off,
                               own_dx ? dxp + r * x_row : nullptr, pp + b * 2 * n, pp + b * 2 * n + n, n, mp[r],
                               rp[r], x_f32, s_f32, w_f32, dropout_of(p, seed, r)});
       }
@@ -169,7 +178,7 @@ TORCH_LIBRARY_FRAGMENT(ipex_train, m) {
   m.def("add_layer_norm_forward(Tensor x, Tensor residual, Tensor weight, Tensor bias, float eps, float p, "
         "Tensor seed) -> (Tensor y, Tensor sum, Tensor mean, Tensor rstd)");
   m.def("add_layer_norm_backward(Tensor grad_y, Tensor sum, Tensor weight, Tensor mean, Tensor rstd, float p, "
-        "Tensor seed, ScalarType x_dtype) -> (Tensor grad_residual, Tensor grad_x, Tensor grad_weight, "
+        "Tensor seed, ScalarType x_dtype, Tensor? grad_sum=None) -> (Tensor grad_residual, Tensor grad_x, Tensor grad_weight, "
         "Tensor grad_bias)");
 }
 

@@ -52,7 +52,7 @@ void add_norm_row_impl(const AddNormRow& r) {
   *r.rstd = rstd;
 }
 
-template <class X, class S, bool W32, bool DROP>
+template <class X, class S, bool W32, bool DROP, bool DSUM>
 void add_norm_grad_row_impl(const AddNormGradRow& r) {
   const S* s = static_cast<const S*>(r.sum);
   const S* dy = static_cast<const S*>(r.dy);
@@ -72,7 +72,10 @@ void add_norm_grad_row_impl(const AddNormGradRow& r) {
     using A = decltype(a);
     const auto d = rmsn::x_at<A>(dy, j);
     const auto xhat = (rmsn::x_at<A>(s, j) - mean) * rstd;
-    const auto ds = (d * rmsn::load<W32, A>(r.weight, j) - c1 - xhat * c2) * rstd;
+    auto ds = (d * rmsn::load<W32, A>(r.weight, j) - c1 - xhat * c2) * rstd;
+    // The sum's own gradient (pre-norm blocks pass the sum on as the residual stream), added in fp32 before the one
+    // rounding.
+    if constexpr (DSUM) ds = ds + rmsn::x_at<A>(static_cast<const S*>(r.dsum), j);
     rmsn::put_x<A>(static_cast<S*>(r.ds), j, ds);
     if constexpr (DROP) rmsn::put_x<A>(dx, j, ds * attn::keep_scale<A>(r.drop, j));
     else if (dx != nullptr) rmsn::put_x<A>(dx, j, ds);
@@ -87,7 +90,11 @@ struct Forward {
 };
 template <class X, class S, bool W32, bool DROP>
 struct Backward {
-  static void run(const AddNormGradRow& r) { add_norm_grad_row_impl<X, S, W32, DROP>(r); }
+  static void run(const AddNormGradRow& r) {
+    // A template flag, so that the post-norm path (no gradient of the sum) runs the loop it ran without it.
+    if (r.dsum != nullptr) add_norm_grad_row_impl<X, S, W32, DROP, true>(r);
+    else add_norm_grad_row_impl<X, S, W32, DROP, false>(r);
+  }
 };
 
 // The dispatch over (x dtype, sum dtype, weight dtype, dropout) of a row function F: the three dtype pairs the op

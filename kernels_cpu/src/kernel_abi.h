@@ -134,10 +134,12 @@ struct AddNormRow {
 };
 
 // One row of its backward: g = dy * w, xhat = (s - mean) * rstd, ds = rstd * (g - mean(g) - xhat * mean(g * xhat))
-// (the residual's gradient, in the sum's dtype), dx = ds * keep in x's dtype (written only when dx is not null),
-// dw += dy * xhat and db += dy into fp32 accumulators of n. dy has the sum's dtype.
+// + dsum (the residual's gradient, in the sum's dtype; dsum, the gradient of the sum as an output of its own in
+// pre-norm blocks, only when not null), dx = ds * keep in x's dtype (written only when dx is not null), dw += dy *
+// xhat and db += dy into fp32 accumulators of n. dy and dsum have the sum's dtype.
 struct AddNormGradRow {
   const void* dy;
+  const void* dsum;
   const void* sum;
   const void* weight;
   void* ds;

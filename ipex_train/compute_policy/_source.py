@@ -1,6 +1,6 @@
-"""What routes that reproduce a Hugging Face forward check at run time: that the class's code is the code the route
-was written against (its syntax tree, docstrings dropped, hashed), so another transformers release with other code
-there leaves the modules unrouted rather than computed by a formula the route does not match."""
+"""How a route recognizes the code it reproduces: a hash of a function's source as a docstring-free syntax tree, so
+that a route checked against one transformers release stands aside (the class's forward runs) wherever the code
+differs, whatever the class is called, while formatting, comments and docstrings do not matter."""
 from __future__ import annotations
 
 import ast
@@ -10,8 +10,8 @@ import textwrap
 
 
 def digest(fn) -> str | None:
-    """The hash (sha256, first 16 hex digits) of ``fn``'s source as a docstring-free syntax tree (``ast.unparse``,
-    decorators included); None where its source cannot be read."""
+    """sha256 (first 16 hex digits) of ``ast.unparse`` of ``fn``'s source with its functions' docstrings dropped;
+    None where its source cannot be read."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):

@@ -1,0 +1,112 @@
+"""Pre-norm residual add + LayerNorm (ViT's layers): torch's add and LayerNorm against
+``ipex_train.add_norm.add_layer_norm_with_sum``, alone and in a whole ViT-B/16 training step.
+
+``python -m benchmarks.studies.prenorm_add_norm [--json PATH] [--threads N] [--op-rounds 15] [--step-rounds 5]
+[--no-step] [--no-op]``
+
+Why: the native policy routes Hugging Face pre-norm encoder layers (``ViTLayer`` and the classes with its forward)
+to the fused op (:func:`ipex_train.compute_policy.routes_prenorm_add_norm`). This measures the evidence:
+
+- op: forward + backward at ViT-B/16's shape, (4, 197, 768), bf16 x and residual, fp32 LayerNorm parameters (as
+  optimize keeps them), p = 0 (ViT's default hidden dropout); both outputs used (y and the sum, as in the layer:
+  gradients of both), torch (``s = x + residual; F.layer_norm(s)``) and fused called alternately in interleaved
+  rounds (median ms, and the median of the per-round ratio fused / torch).
+- step: a 12-layer ViT-B/16 (``ViTModel``, batch 4, 224x224, MSE loss on the last hidden state, SGD momentum) under
+  ``optimize(dtype=bf16, bf16_compute="native")``, routed against the same model with ``routes_prenorm_add_norm``
+  patched to False, steps interleaved with a second unrouted instance (``control``).
+
+Backs docs/compute_policy.md, "Residual add + LayerNorm in pre-norm layers".
+"""
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import report
+from benchmarks.common.timing import interleaved, op_and_step_arguments, routed_against_unrouted
+
+BF16 = torch.bfloat16
+SHAPE = (4, 197, 768)
+
+
+def _op_row(rounds: int) -> dict:
+    from ipex_train.add_norm import add_layer_norm_with_sum
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(SHAPE, generator=gen).to(BF16).requires_grad_()
+    r = torch.randn(SHAPE, generator=gen).to(BF16).requires_grad_()
+    w = torch.ones(SHAPE[-1], requires_grad=True)
+    b = torch.zeros(SHAPE[-1], requires_grad=True)
+    g, g_sum = (torch.randn(SHAPE, generator=gen).to(BF16) for _ in range(2))
+
+    def unfused():
+        s = x + r
+        y = F.layer_norm(s, SHAPE[-1:], w, b, 1e-12)
+        return torch.autograd.grad((y, s), (x, r, w, b), (g, g_sum))
+
+    def fused():
+        y, s = add_layer_norm_with_sum(x, r, w, b, 1e-12)
+        return torch.autograd.grad((y, s), (x, r, w, b), (g, g_sum))
+
+    rs = interleaved({"torch": unfused, "fused": fused}, rounds, repeats=5, warmup=3)
+    med = rs.median()
+    return {"torch_ms": med["torch"] * 1e3, "fused_ms": med["fused"] * 1e3, "ratio": rs.paired("fused", "torch").median}
+
+
+def _vit_step(routed: bool):
+    """A zero-argument step of a fresh ViT-B/16 under optimize(bf16, native), and how many layers it routes."""
+    import transformers
+
+    import ipex_train
+    from ipex_train.compute_policy import _prenorm, routed_modules
+
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(attn_implementation="sdpa")
+    model = transformers.ViTModel(config, add_pooling_layer=False).train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    with mock.patch.object(_prenorm, "routable", _prenorm.routable if routed else (lambda module: False)):
+        model, opt = ipex_train.optimize(model, opt, dtype=BF16, bf16_compute="native")
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.randn(SHAPE[0], 3, 224, 224, generator=gen)
+    target = torch.randn(SHAPE, generator=gen)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = (model(pixel_values=pixels).last_hidden_state.float() - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+
+    return step, routed_modules(model).get("prenorm_add_norm", 0)
+
+
+def _step_row(rounds: int) -> dict:
+    routed, n_routed = _vit_step(True)
+    plain, n_plain = _vit_step(False)
+    control, _ = _vit_step(False)  # the noise floor: two identical unrouted models
+    return {"layers_routed": n_routed, "layers_routed_in_unrouted": n_plain,
+            **routed_against_unrouted(routed, plain, control, rounds)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Time the op row and the step row, print them and return (and optionally write) the JSON."""
+    args = op_and_step_arguments(__doc__.splitlines()[0], argv)
+    ops, steps = [], []
+    if not args.no_op:
+        row = _op_row(args.op_rounds)
+        ops.append(row)
+        print(f"op {SHAPE} bf16, fp32 weight, grads of y and sum: torch {row['torch_ms']:.2f} ms, fused "
+              f"{row['fused_ms']:.2f} ms, ratio {row['ratio']:.3f}", flush=True)
+    if not args.no_step:
+        row = _step_row(args.step_rounds)
+        steps.append(row)
+        print(f"ViT-B/16 step b{SHAPE[0]}: unrouted {row['unrouted_ms']:.1f} ms, routed {row['routed_ms']:.1f} ms, "
+              f"ratio {row['ratio']:.3f} (spread {row['ratio_spread']:.3f}), control {row['control_ms']:.1f} ms, "
+              f"ratio {row['control_ratio']:.3f}", flush=True)
+    return report.write(args.json, {"meta": {"threads": torch.get_num_threads(), "shape": list(SHAPE)},
+                                    "op": ops, "step": steps}, indent=1)
+
+
+if __name__ == "__main__":
+    main()
