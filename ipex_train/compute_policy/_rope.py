@@ -16,16 +16,13 @@ layers unrouted (the class's forward runs), never computed by a formula the kern
 """
 from __future__ import annotations
 
-import ast
 import functools
-import hashlib
-import inspect
 import sys
-import textwrap
 
 import torch
 
 from .. import rope as _fused
+from ._source import digest
 from ._swap import Swap
 
 # Classes whose forward was LlamaAttention's, token for token, in transformers 5.24 (and whose modules define the
@@ -35,23 +32,8 @@ LLAMA_ATTENTION = frozenset({
     "PhimoeAttention", "ArceeAttention",
 })
 
-# sha256 (first 16 hex digits) of the docstring-free syntax tree (ast.unparse) of the forward, apply_rotary_pos_emb
-# and rotate_half this route reproduces.
+# The digests (_source.digest) of the forward, apply_rotary_pos_emb and rotate_half this route reproduces.
 _CHECKED = ("146717e3c3cba137", "f0e978aab1df6bb0", "7b6c9b425ca04287")
-
-
-def _digest(fn) -> str | None:
-    """The hash of ``fn``'s source as a docstring-free syntax tree; None where its source cannot be read."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and body and isinstance(body[0], ast.Expr)
-                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.unparse(tree).encode()).hexdigest()[:16]
 
 
 @functools.cache
@@ -60,7 +42,7 @@ def _checked(cls: type) -> bool:
     if module is None:
         return False
     functions = (cls.forward, getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None))
-    return all(f is not None for f in functions) and tuple(_digest(f) for f in functions) == _CHECKED
+    return all(f is not None for f in functions) and tuple(digest(f) for f in functions) == _CHECKED
 
 
 def routable(module: torch.nn.Module) -> bool:
