@@ -7,14 +7,14 @@ The kernel computes in fp32 and rounds each output once:
 
 - y, elementwise: within ``RTOL[dtype]`` of the reference's magnitude, plus ``ATOL`` (the CDF's exp flushes below
   e^-88, so gelu(x) for x < -13 is off by up to ~1e-38): bf16 2**-8 + 1e-5 (one rounding), fp32 2e-6 + 2e-7 x^2
-  (x the pre-activation: for x < -1.4 the CDF is erfc(|x| / sqrt 2) / 2 = t exp(q(t) - x^2 / 2), whose exp argument
-  is rounded to fp32; measured 3.6e-7 for |x| < 1, 1.9e-6 at x = -3.8, 1.2e-5 at x = -11.4).
-- the normal CDF Phi(x) = (1 + erf(x / sqrt 2)) / 2 read off fp32 y / x, against float64 torch.special.erf / erfc
-  (measured relative errors: 3.8e-7 for |x| < 1, 1.5e-7 above 1, 1.9e-6 on [-4, -1], 1.9e-5 on [-12, -8]; torch's
-  own fp32 gelu: 4.6e-3 on [-4, -1], 100% below -4 where its 1 + erf cancels), and erf itself within 4e-7 absolute
-  for |x| <= 5 (measured 2.7e-7; torch's fp32 gelu 6.2e-7).
+  (x the pre-activation: the CDF is t P(t) exp(-x^2 / 2) / 2 or 1 minus that, and the exp's argument is rounded to
+  fp32; measured 4.4e-7 for |x| < 1, 1.5e-6 on [-4, -1], 1.7e-5 on [-12, -8]).
+- the normal CDF Phi(x) = (1 + erf(x / sqrt 2)) / 2 read off fp32 y / x, against float64 torch.special.erf / erfc:
+  relative error within 8e-7 for x > -1 (measured 4.4e-7), 3e-6 down to -4 (1.5e-6), 3e-5 down to -12 (1.7e-5);
+  torch's own fp32 gelu: 4.6e-3 on [-4, -1] and 100% below about -4.5 where its 1 + erf cancels. erf itself within
+  6e-7 absolute for |x| <= 5 (measured 4.4e-7; torch's fp32 gelu 6.2e-7).
 - dx and the bias gradient relative to the reference's largest magnitude (gelu' crosses zero near x = -0.75, where
-  an elementwise bound means nothing): the same RTOL (measured bf16 ~2.5e-3, fp32 ~5e-7).
+  an elementwise bound means nothing): the same RTOL (measured bf16 3.1e-3, fp32 2.5e-7).
 
 Routing by the native compute policy: tests/test_bias_gelu_route.py.
 """
@@ -105,11 +105,11 @@ def test_normal_cdf_against_torch_erf(variant):
     ref = torch.where(xd < -3, 0.5 * torch.special.erfc(-xd / math.sqrt(2.0)), ref)  # no 1 + erf cancellation
     rel = ((phi - ref).abs() / ref).flatten()
     xf = xd.flatten()
-    assert rel[xf > -1].max().item() <= 5e-7
+    assert rel[xf > -1].max().item() <= 8e-7
     assert rel[xf >= -4].max().item() <= 3e-6
     assert rel.max().item() <= 3e-5
     erf = (2 * phi - 1).flatten()
-    assert (erf - torch.special.erf(xf / math.sqrt(2.0)))[xf.abs() <= 5].abs().max().item() <= 4e-7
+    assert (erf - torch.special.erf(xf / math.sqrt(2.0)))[xf.abs() <= 5].abs().max().item() <= 6e-7
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
@@ -179,7 +179,8 @@ def test_same_bits_at_1_2_3_threads(dtype):
 
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
 def test_kernel_variants_agree(variant, dtype):
-    # The same fp32 operations lane by lane in every ISA (no contraction into FMAs, -ffp-contract=off).
+    # The vector variants contract multiply-adds into FMAs (bias_gelu_rows.h) and the scalar one does not: they agree
+    # within the accuracy bound, relative to each output's largest magnitude (one bf16 rounding apart for bf16).
     x, bias, g = _inputs((40, 203), dtype)
     out = _run(2, x, bias, g)
     _ops.set_kernel_variant("scalar")
@@ -188,7 +189,7 @@ def test_kernel_variants_agree(variant, dtype):
     finally:
         _ops.set_kernel_variant(variant)
     for a, c in zip(out, ref):
-        torch.testing.assert_close(a, c, rtol=RTOL[dtype], atol=ATOL)
+        assert _max_err(a, c.double()) <= RTOL[dtype]
 
 
 def test_unsupported_inputs_fall_back_to_torch():

@@ -10,12 +10,14 @@ per ISA); the op saves x and the bias, and the backward recomputes ``x + bias``.
 
 Numerics: ``x + bias`` in fp32, rounded to x's dtype (as the GEMM with its bias would have written it; that GEMM
 rounds its fp32 accumulation once, this path rounds the product and then the sum, so the pre-activations differ by
-at most about one rounding), then exact (erf) GELU in fp32, rounded once. The erf is a polynomial / erfc
-approximation within ~2e-7 relative of the true value in fp32 (tests/test_bias_gelu.py); GELU's CDF is computed as
-``erfc / 2`` for negative inputs, so there is no ``1 + erf`` cancellation. Backward: ``dx = dy * gelu'(pre)`` with
-torch's gelu_backward formula (``cdf + x * pdf``) in fp32, rounded once; the bias gradient is the fp32 sum of the
-unrounded values over fixed 64-row blocks, the blocks added in order: the results do not depend on the thread
-count.
+at most about one rounding), then exact (erf) GELU in fp32, rounded once. GELU's CDF is ``erfc(|x| / sqrt 2) / 2``
+(or 1 minus it) from one exp shared with the backward's density, so there is no ``1 + erf`` cancellation for
+negative inputs: within ~5e-7 relative of the true CDF for x > -1, growing as x^2 below (1.7e-5 at x = -12); erf
+within ~4.4e-7 absolute (tests/test_bias_gelu.py; torch's own fp32 gelu: 6.2e-7, and no relative accuracy below
+x = -4). The vector kernels use FMAs here, the scalar one does not: they agree within that bound, not bit for bit.
+Backward: ``dx = dy * gelu'(pre)`` with torch's gelu_backward formula (``cdf + x * pdf``) in fp32, rounded once;
+the bias gradient is the fp32 sum of the unrounded values over fixed 64-row blocks, the blocks added in order: the
+results do not depend on the thread count.
 
 The ``bf16`` native compute policy of ``ipex_train.optimize`` routes Hugging Face BERT-style intermediate blocks
 here (``ipex_train.compute_policy.routes_bias_gelu``; docs/compute_policy.md).
