@@ -1,8 +1,8 @@
 """The native compute policy's routing of Hugging Face BERT-style intermediate blocks (BertIntermediate and every
-class with its very forward) to a bias-free GEMM + ipex_train.bias_gelu; the op's own numerics are in
-tests/test_bias_gelu.py.
+class with its very forward) and ViT-style MLPs (ViTMLP and kin) to a bias-free GEMM + ipex_train.bias_gelu; the
+op's own numerics are in tests/test_bias_gelu.py.
 
-Routed against unrouted: the same small BERT, trained 3 SGD steps under optimize(bf16, "native") from the same
+Routed against unrouted: the same small BERT (and ViT), trained 3 SGD steps under optimize(bf16, "native") from the same
 weights and batch, dropout 0. Unrouted, addmm rounds x @ W^T + b once to bf16 and the GELU rounds again; routed, the
 GEMM's output is rounded, then x + b, then the GELU (fp32 inside): the pre-activations differ by about one bf16
 rounding, the bias gradient is an fp32 sum of unrounded values (torch sums the bf16 gradient). Losses agree within
@@ -21,6 +21,7 @@ import ipex_train.compute_policy as cp
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.bert.modeling_bert import BertIntermediate  # noqa: E402
+from transformers.models.vit.modeling_vit import ViTMLP  # noqa: E402
 
 BF16 = torch.bfloat16
 OURS = "ipex_train.bias_gelu_forward"
@@ -99,6 +100,56 @@ def test_routed_trains_as_unrouted(head, monkeypatch):
         unrouted = _train(ref_model, ref_opt, steps=1)
     assert OURS not in ops.names and "aten.gelu" in ops.names
     unrouted += _train(ref_model, ref_opt, steps=2)
+    for a, b in zip(routed, unrouted):
+        assert abs(a - b) <= 1e-2 * abs(b)
+    ref_params = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        q, s = ref_params[name].float(), start[name].float()
+        scale = max(q.abs().max().item(), (q - s).abs().max().item() * 20)
+        assert (p.float() - q).abs().max().item() <= 0.05 * scale + 1e-6, name
+
+
+def _vit_config():
+    return transformers.ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                                  num_attention_heads=4, image_size=32, patch_size=8, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+
+
+PIXELS = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+VIT_TARGET = torch.randn(2, 17, 64, generator=torch.Generator().manual_seed(3))
+
+
+def _vit_train(model, opt, steps):
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = (model(pixel_values=PIXELS).last_hidden_state.float() - VIT_TARGET).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@native
+def test_routed_vit_trains_as_unrouted(monkeypatch):
+    # ViT's MLPs take the fp32 output of its (fp32) layernorm_after: fc1's input cast applies, then fc2 as a module.
+    torch.manual_seed(0)
+    base = transformers.ViTModel(_vit_config(), add_pooling_layer=False).train()
+    start = copy.deepcopy(base.state_dict())
+    model, opt = _optimized(base)
+    mlps = [m for m in model.modules() if isinstance(m, ViTMLP)]
+    assert len(mlps) == LAYERS and cp.routed_modules(model).get("bias_gelu") == LAYERS
+    with OpNames() as ops:
+        routed = _vit_train(model, opt, 1)
+    assert ops.names.count(OURS) == LAYERS and ops.names.count(OURS_BACKWARD) == LAYERS
+    assert "aten.gelu" not in ops.names
+    routed += _vit_train(model, opt, 2)
+    torch.manual_seed(0)
+    ref_base = transformers.ViTModel(_vit_config(), add_pooling_layer=False).train()
+    ref_base.load_state_dict(start)
+    monkeypatch.setattr(cp._bias_gelu, "routable", lambda module: False)
+    ref_model, ref_opt = _optimized(ref_base)
+    unrouted = _vit_train(ref_model, ref_opt, 3)
     for a, b in zip(routed, unrouted):
         assert abs(a - b) <= 1e-2 * abs(b)
     ref_params = dict(ref_model.named_parameters())
@@ -204,25 +255,30 @@ def test_routable_classes(monkeypatch):
     assert not cp.routes_bias_gelu(block)
     block.dense = torch.nn.Identity()
     assert not cp.routes_bias_gelu(block)
-    # ViT's MLP (fc1, activation_fn, fc2) has another forward: not this route.
-    from transformers.models.vit.modeling_vit import ViTMLP
+    # ViT-style MLPs (fc1, activation_fn, fc2): routed over an exact GELU; CLIP's quick_gelu, SigLIP's tanh GELU not.
+    assert cp.routes_bias_gelu(ViTMLP(_vit_config()))
+    from transformers.models.clip.modeling_clip import CLIPMLP
+    from transformers.models.siglip.modeling_siglip import SiglipMLP
 
-    assert not cp.routes_bias_gelu(ViTMLP(transformers.ViTConfig(hidden_size=64, intermediate_size=128)))
-    # A transformers release whose BertIntermediate.forward is other code: not routed.
-    monkeypatch.setattr(cp._bias_gelu, "_CHECKED", "0" * 16)
-    cp._bias_gelu._checked.cache_clear()
+    small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    assert not cp.routes_bias_gelu(CLIPMLP(transformers.CLIPVisionConfig(**small)))
+    assert not cp.routes_bias_gelu(SiglipMLP(transformers.SiglipVisionConfig(**small)))
+    # A transformers release whose forwards are other code: not routed.
+    monkeypatch.setattr(cp._bias_gelu, "_SHAPES", {})
+    cp._bias_gelu._KNOWN.clear()
     try:
-        assert not cp.routes_bias_gelu(BertIntermediate(config))
+        assert not cp.routes_bias_gelu(BertIntermediate(config)) and not cp.routes_bias_gelu(ViTMLP(_vit_config()))
     finally:
         monkeypatch.undo()
-        cp._bias_gelu._checked.cache_clear()
+        cp._bias_gelu._KNOWN.clear()
 
 
-def test_checked_digest_is_bert_intermediate_forward():
-    # The digest pins transformers 5.24's code; this fails (and the route stands aside) when the installed one differs.
+def test_checked_digests_are_the_installed_forwards():
+    # The digests pin transformers 5.24's code; this fails (and the route stands aside) when the installed one differs.
     from ipex_train.compute_policy._source import digest
 
-    assert digest(BertIntermediate.forward) == cp._bias_gelu._CHECKED
+    assert cp._bias_gelu._SHAPES[digest(BertIntermediate.forward)] == ("dense", "intermediate_act_fn", None)
+    assert cp._bias_gelu._SHAPES[digest(ViTMLP.forward)] == ("fc1", "activation_fn", "fc2")
 
 
 @native

@@ -38,7 +38,7 @@ Policies
     ``ipex_train.swiglu``, one pass each way, between the projections they still call as modules. Hugging Face
     BERT-style intermediate blocks over an exact GELU (:func:`routes_bias_gelu`) run their linear without its bias
     and then bias + GELU as ``ipex_train.bias_gelu``, one pass each way, the backward's also reducing the bias
-    gradient.
+    gradient; ViT-style MLPs (``ViTMLP`` and the like) likewise before their ``fc2``.
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
@@ -347,8 +347,8 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     scope as "emulated"; it also runs the Hugging Face RMSNorm modules of :func:`routes_rms_norm` through
     ``ipex_train.rms_norm``, the post-norm output blocks of :func:`routes_add_norm` through ``ipex_train.add_norm``,
     the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora``, the Llama-family MLPs of
-    :func:`routes_swiglu` through ``ipex_train.swiglu``, the BERT-style intermediate blocks of
-    :func:`routes_bias_gelu` through ``ipex_train.bias_gelu`` and the patch
+    :func:`routes_swiglu` through ``ipex_train.swiglu``, the BERT-style intermediate blocks and ViT-style MLPs
+    of :func:`routes_bias_gelu` through ``ipex_train.bias_gelu`` and the patch
     embeddings of :func:`routes_patch_embedding` as one GEMM (instance-level forwards, removed on detach). Attaching
     again returns the existing handle for the same policy, or replaces a different one.
     """

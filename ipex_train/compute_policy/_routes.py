@@ -39,12 +39,13 @@ def routes_swiglu(module: torch.nn.Module) -> bool:
 
 
 def routes_bias_gelu(module: torch.nn.Module) -> bool:
-    """Whether the native policy runs ``module``'s ``intermediate_act_fn(dense(h))`` as a bias-free GEMM and
+    """Whether the native policy runs ``module``'s up-projection + GELU as a bias-free GEMM and
     ``ipex_train.bias_gelu`` (bias + exact GELU in one pass each way, the bias gradient reduced in the backward's
-    pass): a Hugging Face block whose class's forward is BertIntermediate's (BERT, RoBERTa, ELECTRA and ~50 more,
-    checked against transformers 5.24's code), over a plain ``nn.Linear`` with a bias and an exact (erf) GELU, whose
-    forward is not already replaced on the instance. Calls the kernel cannot compute as the class does (hooks on
-    ``dense`` or the activation, autocast, other dtypes) run the class's forward."""
+    pass): a Hugging Face block whose class's forward is BertIntermediate's (BERT, RoBERTa, ELECTRA and ~50 more) or
+    ViTMLP's (ViT, DeiT, BEiT, Dinov2 and ~80 more), checked against transformers 5.24's code, over a plain
+    ``nn.Linear`` with a bias and an exact (erf) GELU, whose forward is not already replaced on the instance. Calls
+    the kernel cannot compute as the class does (hooks on the linear or the activation, autocast, other dtypes) run
+    the class's forward."""
     return _bias_gelu.routable(module)
 
 
@@ -68,7 +69,7 @@ def routes_lora(module: torch.nn.Module) -> bool:
 # Llama-family rotary embeddings in one pass that writes the attention's layout; patch embeddings (stride == kernel)
 # as one GEMM over the unfolded patches; peft LoRA: the adapter's product summed into the base output by the matmul;
 # Llama-family MLPs: silu(gate) * up in one pass each way; BERT-style intermediate blocks: bias + GELU in one pass each
-# way, the bias gradient reduced in the backward's pass.
+# way, the bias gradient reduced in the backward's pass (and ViT-style MLPs' first half likewise).
 ROUTES = (
     (routes_rms_norm, _rms_norm.swap),
     (routes_add_norm, _add_norm.swap),
