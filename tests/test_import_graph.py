@@ -57,12 +57,13 @@ ALLOWED = {
     "add_norm": {"base"},
     "rope": {"base"},
     "swiglu": {"base"},
+    "bias_gelu": {"base"},
     "lora": {"base"},
     "xpu": {"base", "optim"},  # the same steps on SYCL queues
     "inference": {"base"},  # folding, export (TorchScript, AOTInductor)
     "precision": {"base"},  # what goes low precision, casts, master weights, channels-last, the optimize() record
     # how bf16 ops are computed; routes to our kernels
-    "compute_policy": {"base", "attention", "rms_norm", "add_norm", "lora", "rope", "swiglu"},
+    "compute_policy": {"base", "attention", "rms_norm", "add_norm", "lora", "rope", "swiglu", "bias_gelu"},
     "config": {"base"},  # OptimizeConfig
     "training": {"base", "optim", "precision"},  # the returned optimizer, the step inside backward
     "distributed": {"base", "optim", "precision", "training"},  # FSDP2

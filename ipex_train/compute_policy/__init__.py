@@ -40,6 +40,9 @@ Policies
     ``ipex_train.swiglu``, one pass each way, between the projections they still call as modules. Hugging Face
     Llama-family decoder layers (:func:`routes_add_rms_norm`) run their residual add + post-attention RMSNorm as
     ``ipex_train.rms_norm.add_rms_norm``, one pass each way (the forward's bits are the layer's own).
+    BERT-style intermediate blocks over an exact GELU (:func:`routes_bias_gelu`) run their linear without its bias
+    and then bias + GELU as ``ipex_train.bias_gelu``, one pass each way, the backward's also reducing the bias
+    gradient; ViT-style MLPs (``ViTMLP`` and the like) likewise before their ``fc2``.
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
@@ -111,6 +114,7 @@ from ._routes import (
     routed_modules,
     routes_add_norm,
     routes_add_rms_norm,
+    routes_bias_gelu,
     routes_lora,
     routes_patch_embedding,
     routes_prenorm_add_norm,
@@ -137,6 +141,7 @@ __all__ = [
     "routes_rope",
     "routed_modules",
     "routes_swiglu",
+    "routes_bias_gelu",
     "emulated_bf16",
     "ComputePolicyHandle",
 ]
@@ -269,9 +274,9 @@ class ComputePolicyHandle:
     def active(self) -> bool:
         """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs, in
         models that call attention (:func:`calls_attention`) to route it to ``ipex_train.attention``, and on the
-        modules it routes (:func:`routes_rms_norm`, :func:`routes_add_norm`,
-        :func:`routes_prenorm_add_norm`, :func:`routes_rope`,
-        :func:`routes_swiglu`, :func:`routes_lora`, :func:`routes_patch_embedding`))."""
+        modules it routes (:func:`routes_rms_norm`, :func:`routes_add_norm`, :func:`routes_prenorm_add_norm`,
+        :func:`routes_add_rms_norm`, :func:`routes_rope`, :func:`routes_swiglu`, :func:`routes_bias_gelu`,
+        :func:`routes_lora`, :func:`routes_patch_embedding`))."""
         return bool(self._hooks)
 
     def remove(self) -> None:
@@ -352,7 +357,8 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     ``ipex_train.rms_norm``, the post-norm output blocks of :func:`routes_add_norm` and the pre-norm layers of
     :func:`routes_prenorm_add_norm` through ``ipex_train.add_norm``,
     the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora``, the Llama-family MLPs of
-    :func:`routes_swiglu` through ``ipex_train.swiglu`` and the patch
+    :func:`routes_swiglu` through ``ipex_train.swiglu``, the BERT-style intermediate blocks and ViT-style MLPs
+    of :func:`routes_bias_gelu` through ``ipex_train.bias_gelu`` and the patch
     embeddings of :func:`routes_patch_embedding` as one GEMM (instance-level forwards, removed on detach). Attaching
     again returns the existing handle for the same policy, or replaces a different one.
     """

@@ -14,13 +14,7 @@ import torch
 from .. import lora as _fused
 from ._mode import _EmulationMode
 from ._swap import Swap, global_hooks
-
-# optimize()'s forward pre-hooks on converted layers (ipex_train.precision.casts): they cast floating inputs to the
-# layer's parameter dtype, or low-precision inputs to fp32 on a layer with fp32 matrices. The fused path runs only
-# on inputs already of the layers' one dtype, where both return the input unchanged. Named, not imported:
-# compute_policy sits below precision in the layers.
-_NO_OP_HOOKS = frozenset({("ipex_train.precision.casts", "cast_inputs"),
-                          ("ipex_train.precision.casts", "upcast_inputs")})
+from ._swap import plain_but_input_casts as _plain
 
 
 def _peft_linear():
@@ -36,15 +30,6 @@ def routable(module: torch.nn.Module) -> bool:
     return (cls is not None and isinstance(module, cls) and type(module).forward is cls.forward
             and "forward" not in vars(module) and type(getattr(module, "base_layer", None)) is torch.nn.Linear
             and hasattr(module, "lora_variant"))
-
-
-def _plain(module: torch.nn.Module) -> bool:
-    """No hook of the module's own (other than optimize()'s input casts) nor forward on the instance: calling it is
-    exactly its class's forward on the input."""
-    if "forward" in vars(module) or module._backward_hooks or module._backward_pre_hooks or module._forward_hooks:
-        return False
-    return all((getattr(h, "__module__", None), getattr(h, "__name__", None)) in _NO_OP_HOOKS
-               for h in module._forward_pre_hooks.values())
 
 
 def _identity(dropout: torch.nn.Module) -> bool:

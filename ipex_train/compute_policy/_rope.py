@@ -32,8 +32,7 @@ LLAMA_ATTENTION = frozenset({
     "PhimoeAttention", "ArceeAttention",
 })
 
-# sha256 (first 16 hex digits) of the docstring-free syntax tree (ast.unparse) of the forward, apply_rotary_pos_emb
-# and rotate_half this route reproduces.
+# The digests (_source.digest) of the forward, apply_rotary_pos_emb and rotate_half this route reproduces.
 _CHECKED = ("146717e3c3cba137", "f0e978aab1df6bb0", "7b6c9b425ca04287")
 
 

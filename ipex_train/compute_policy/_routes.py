@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _add_norm, _add_rms_norm, _lora, _patch_embed, _prenorm, _rms_norm, _rope, _swiglu
+from . import _add_norm, _add_rms_norm, _bias_gelu, _lora, _patch_embed, _prenorm, _rms_norm, _rope, _swiglu
 
 
 def routes_rms_norm(module: torch.nn.Module) -> bool:
@@ -57,6 +57,17 @@ def routes_swiglu(module: torch.nn.Module) -> bool:
     return _swiglu.routable(module)
 
 
+def routes_bias_gelu(module: torch.nn.Module) -> bool:
+    """Whether the native policy runs ``module``'s up-projection + GELU as a bias-free GEMM and
+    ``ipex_train.bias_gelu`` (bias + exact GELU in one pass each way, the bias gradient reduced in the backward's
+    pass): a Hugging Face block whose class's forward is BertIntermediate's (BERT, RoBERTa, ELECTRA and ~50 more) or
+    ViTMLP's (ViT, DeiT, BEiT, Dinov2 and ~80 more), checked against transformers 5.24's code, over a plain
+    ``nn.Linear`` with a bias and an exact (erf) GELU, whose forward is not already replaced on the instance. Calls
+    the kernel cannot compute as the class does (hooks on the linear or the activation, autocast, other dtypes) run
+    the class's forward."""
+    return _bias_gelu.routable(module)
+
+
 def routes_patch_embedding(module: torch.nn.Module) -> bool:
     """Whether the native policy computes ``module`` as a GEMM over unfolded patches: a plain ``nn.Conv2d`` whose
     stride equals its kernel (above 1), without padding, dilation or groups, whose forward is not already replaced on
@@ -78,7 +89,8 @@ def routes_lora(module: torch.nn.Module) -> bool:
 # Llama-family rotary embeddings in one pass that writes the attention's layout; patch embeddings (stride == kernel)
 # as one GEMM over the unfolded patches; peft LoRA: the adapter's product summed into the base output by the matmul;
 # Llama-family MLPs: silu(gate) * up in one pass each way; Llama-family decoder layers: the residual add and the
-# post-attention RMSNorm in one pass each way.
+# post-attention RMSNorm in one pass each way; BERT-style intermediate blocks: bias + GELU in one pass each way, the
+# bias gradient reduced in the backward's pass (and ViT-style MLPs' first half likewise).
 ROUTES = (
     (routes_rms_norm, _rms_norm.swap),
     (routes_add_norm, _add_norm.swap),
@@ -88,6 +100,7 @@ ROUTES = (
     (routes_lora, _lora.swap),
     (routes_swiglu, _swiglu.swap),
     (routes_add_rms_norm, _add_rms_norm.swap),
+    (routes_bias_gelu, _bias_gelu.swap),
 )
 
 
@@ -101,6 +114,7 @@ ROUTED_FORWARDS = (
     ("patch_embedding", _patch_embed.forward),
     ("lora", _lora.forward),
     ("add_rms_norm", _add_rms_norm.forward),
+    ("bias_gelu", _bias_gelu.forward),
 )
 
 

@@ -42,3 +42,29 @@ def global_hooks() -> bool:
     g = _module_globals
     return bool(g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks
                 or g._global_backward_pre_hooks)
+
+
+# optimize()'s forward pre-hooks on converted layers (ipex_train.precision.casts): they cast floating inputs to the
+# layer's parameter dtype, or low-precision inputs to fp32 on a layer with fp32 matrices. A route that skips calling
+# such a layer computes only on inputs already of the layer's one dtype, where both return the input unchanged.
+# Named, not imported: compute_policy sits below precision in the layers.
+_INPUT_CAST_HOOKS = frozenset({("ipex_train.precision.casts", "cast_inputs"),
+                               ("ipex_train.precision.casts", "upcast_inputs")})
+
+
+def plain_but_input_casts(module: torch.nn.Module) -> bool:
+    """As :func:`plain`, except that optimize()'s input casts may be registered: calling ``module`` on an input of
+    its parameters' dtype is exactly its class's forward on that input (the caller checks the dtype)."""
+    if "forward" in vars(module) or module._backward_hooks or module._backward_pre_hooks or module._forward_hooks:
+        return False
+    return all((getattr(h, "__module__", None), getattr(h, "__name__", None)) in _INPUT_CAST_HOOKS
+               for h in module._forward_pre_hooks.values())
+
+
+def cast_as_pre_hooks(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``module``'s forward would receive it where its only pre-hook is optimize()'s ``cast_inputs`` (a
+    floating input cast to the parameters' dtype; ``module`` has a ``weight``); otherwise ``x`` as it is."""
+    hooks = [(getattr(h, "__module__", None), getattr(h, "__name__", None)) for h in module._forward_pre_hooks.values()]
+    if hooks == [("ipex_train.precision.casts", "cast_inputs")] and x.is_floating_point():
+        return x.to(module.weight.dtype)
+    return x

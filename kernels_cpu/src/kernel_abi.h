@@ -194,6 +194,30 @@ struct SiluMulGradSpan {
   bool f32;
 };
 
+// One row of bias + GELU (bias_gelu_rows.h): y = gelu(round(x + bias)), exact (erf) GELU in fp32, rounded once. x and
+// y of one dtype (f32: fp32, else bf16); bias (n values) fp32 (bias_f32) or x's dtype.
+struct BiasGeluRow {
+  const void* x;
+  const void* bias;
+  void* y;
+  int64_t n;
+  bool f32;
+  bool bias_f32;
+};
+
+// Its backward: dx = dy * gelu'(round(x + bias)) in fp32, rounded once to x's dtype (dy's too); d_bias[j] (fp32, the
+// row's block's partial sum) += the unrounded value.
+struct BiasGeluGradRow {
+  const void* dy;
+  const void* x;
+  const void* bias;
+  void* dx;
+  float* d_bias;
+  int64_t n;
+  bool f32;
+  bool bias_f32;
+};
+
 // Per-ISA entry points: one per optimizer of ITR_OPTIMIZERS (optimizers.h), then the split-bf16 conversions.
 struct KernelTable {
   const char* name;
@@ -217,6 +241,8 @@ struct KernelTable {
   void (*rope_row)(const RopeRow& row);  // rope_rows.h
   void (*silu_mul)(const SiluMulSpan& span);  // swiglu_rows.h
   void (*silu_mul_grad)(const SiluMulGradSpan& span);
+  void (*bias_gelu_row)(const BiasGeluRow& row);  // bias_gelu_rows.h
+  void (*bias_gelu_grad_row)(const BiasGeluGradRow& row);
 };
 
 // The entry of optimizer Opt in table t.

@@ -39,6 +39,7 @@ struct IsaTag {};  // makes every storage and element template instantiated here
 #include "add_norm_rows.h"   // after rms_norm_rows.h, whose row helpers it uses
 #include "rope_rows.h"       // likewise
 #include "swiglu_rows.h"     // likewise
+#include "bias_gelu_rows.h"  // likewise
 
 namespace ipex_train {
 namespace {
@@ -286,7 +287,8 @@ extern const KernelTable ITR_TABLE = {ITR_ISA_NAME, ITR_OPTIMIZERS(ITR_ENTRY) sp
                                      attn::softmax_row, attn::softmax_grad_row, rmsn::rms_norm_row,
                                      rmsn::rms_norm_grad_row, rmsn::add_rms_norm_row, rmsn::add_rms_norm_grad_row,
                                      addn::add_norm_row, addn::add_norm_grad_row,
-                                     rope::rope_row, swiglu::silu_mul, swiglu::silu_mul_grad};
+                                     rope::rope_row, swiglu::silu_mul, swiglu::silu_mul_grad,
+                                     gelu::bias_gelu_row, gelu::bias_gelu_grad_row};
 #undef ITR_ENTRY
 
 }  // namespace ipex_train

@@ -1,0 +1,113 @@
+"""Bias + GELU of a BERT intermediate block: torch's ``F.gelu(F.linear(x, w, b))`` (addmm, gelu; backward
+gelu_backward and the bias's sum) against ``bias_gelu(F.linear(x, w), b)`` (the GEMM without its bias, then
+``ipex_train.bias_gelu``), alone and in a whole BERT training step.
+
+``python -m benchmarks.studies.bias_gelu [--json PATH] [--threads N] [--op-rounds 15] [--step-rounds 5] [--no-step]
+[--no-op]``
+
+Why: the native policy routes Hugging Face BERT-style intermediate blocks to the fused op
+(:func:`ipex_train.compute_policy.routes_bias_gelu`). This measures the evidence on the machine at hand:
+
+- op: forward + backward (grads of x, w and b), bf16, BERT-base's up-projection (8 x 128 tokens, 768 -> 3072); the
+  two called alternately in interleaved rounds (median ms, and the median of the per-round ratio fused / torch).
+- step: the benchmark suite's ``bert_like`` model (4 BERT-base layers, b8 s128, fed embeddings) under
+  ``optimize(dtype=bf16, bf16_compute="native")``, MSE on its head, SGD momentum; routed against the same model with
+  ``routes_bias_gelu`` patched to False, steps interleaved with a second unrouted instance (``control``: the ratio
+  two identical models give here).
+
+Backs docs/compute_policy.md, "Bias + GELU".
+"""
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import report
+from benchmarks.common.timing import interleaved, op_and_step_arguments, routed_against_unrouted
+
+BF16 = torch.bfloat16
+OP_SHAPES = ((8 * 128, 768, 3072),)  # tokens, in, out
+
+
+def _op_row(shape: tuple, rounds: int) -> dict:
+    from ipex_train.bias_gelu import bias_gelu
+
+    tokens, n_in, n_out = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, n_in, generator=gen).to(BF16).requires_grad_()
+    w = (torch.randn(n_out, n_in, generator=gen) * n_in**-0.5).to(BF16).requires_grad_()
+    b = torch.randn(n_out, generator=gen).to(BF16).requires_grad_()
+    g = torch.randn(tokens, n_out, generator=gen).to(BF16)
+
+    def unfused():
+        return torch.autograd.grad(F.gelu(F.linear(x, w, b)), (x, w, b), g)
+
+    def fused():
+        return torch.autograd.grad(bias_gelu(F.linear(x, w), b), (x, w, b), g)
+
+    rs = interleaved({"torch": unfused, "fused": fused}, rounds, repeats=3, warmup=3)
+    med = rs.median()
+    return {"shape": list(shape), "torch_ms": med["torch"] * 1e3, "fused_ms": med["fused"] * 1e3,
+            "ratio": rs.paired("fused", "torch").median}
+
+
+def _bert_step(routed: bool):
+    """A zero-argument step of a fresh ``bert_like`` under optimize(bf16, native), and how many blocks it routed."""
+    import ipex_train
+    from benchmarks.common.train_models import MODELS, NUM_CLASSES
+    from ipex_train.compute_policy import _bias_gelu
+
+    spec = MODELS["bert_like"]
+    torch.manual_seed(0)
+    model = spec.build().train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    with mock.patch.object(_bias_gelu, "routable", _bias_gelu.routable if routed else (lambda module: False)):
+        model, opt = ipex_train.optimize(model, opt, dtype=BF16, bf16_compute="native")
+    n_routed = ipex_train.compute_policy.routed_modules(model).get("bias_gelu", 0)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(spec.input_shape, generator=gen)
+    target = torch.randn(spec.input_shape[0], NUM_CLASSES, generator=gen)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = (model(x).float() - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+
+    return step, n_routed
+
+
+def _step_row(rounds: int) -> dict:
+    routed, n_routed = _bert_step(True)
+    plain, n_plain = _bert_step(False)
+    control, _ = _bert_step(False)  # the noise floor for the routed / unrouted ratio
+    return {"model": "bert_like", "blocks_routed": n_routed, "blocks_routed_in_unrouted": n_plain,
+            **routed_against_unrouted(routed, plain, control, rounds)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Time the op rows and the step row, print tables and return (and optionally write) the JSON."""
+    args = op_and_step_arguments(__doc__.splitlines()[0], argv)
+    ops = []
+    if not args.no_op:
+        print(f"op bf16 fwd+bwd: {'tokens, in, out':>18}{'torch':>9}{'fused':>9}{'ratio':>7}  (ms)")
+    for shape in () if args.no_op else OP_SHAPES:
+        row = _op_row(shape, args.op_rounds)
+        ops.append(row)
+        print(f"{'':<17}{str(shape):>18}{row['torch_ms']:9.2f}{row['fused_ms']:9.2f}{row['ratio']:7.3f}", flush=True)
+    steps = []
+    if not args.no_step:
+        row = _step_row(args.step_rounds)
+        steps.append(row)
+        print(f"bert_like step: unrouted {row['unrouted_ms']:.1f} routed {row['routed_ms']:.1f} ratio "
+              f"{row['ratio']:.3f} (spread {row['ratio_spread']:.3f}) control {row['control_ms']:.1f} ratio "
+              f"{row['control_ratio']:.3f} ms; blocks routed {row['blocks_routed']} / in unrouted "
+              f"{row['blocks_routed_in_unrouted']}", flush=True)
+    return report.write(args.json, {"meta": {"threads": torch.get_num_threads()}, "op": ops, "step": steps},
+                        indent=1)
+
+
+if __name__ == "__main__":
+    main()
