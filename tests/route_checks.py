@@ -25,3 +25,29 @@ def detach_restores_and_attach_again(model, modules, routes, op_name, output):
     copy_ = pickle.loads(pickle.dumps(model))
     assert torch.isfinite(output(copy_).float()).all()
     handle.remove()
+
+
+def train(model, opt, loss_fn, steps):
+    """``steps`` plain optimizer steps on ``loss_fn(model)``; the losses as floats."""
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_trained_alike(routed, unrouted, model, ref_model, start):
+    """A routed and an unrouted run from the same ``start`` state dict agree: each step's loss within 1%, each
+    parameter within 5% of its scale (its largest magnitude, or 20x its largest change, whichever is larger). The
+    routes round at other points than torch's ops (one rounding where autograd rounds twice), so not bit for bit."""
+    assert len(routed) == len(unrouted)
+    for a, b in zip(routed, unrouted):
+        assert abs(a - b) <= 1e-2 * abs(b)
+    ref_params = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        q, s = ref_params[name].float(), start[name].float()
+        scale = max(q.abs().max().item(), (q - s).abs().max().item() * 20)
+        assert (p.float() - q).abs().max().item() <= 0.05 * scale + 1e-6, name

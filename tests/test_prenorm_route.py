@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 from op_names import OpNames
-from route_checks import detach_restores_and_attach_again
+from route_checks import assert_trained_alike, detach_restores_and_attach_again, train
 
 import ipex_train
 import ipex_train.compute_policy as cp
@@ -57,14 +57,7 @@ def _loss(model):
 
 
 def _train(model, opt, steps=3):
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        loss = _loss(model)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train(model, opt, _loss, steps)
 
 
 def _layers(model):
@@ -91,13 +84,7 @@ def test_routed_trains_as_unrouted(monkeypatch):
         unrouted = _train(ref_model, ref_opt, steps=1)
     assert OURS not in ops.names
     unrouted += _train(ref_model, ref_opt, steps=2)
-    for a, b in zip(routed, unrouted):
-        assert abs(a - b) <= 1e-2 * abs(b)
-    ref_params = dict(ref_model.named_parameters())
-    for name, p in model.named_parameters():
-        q, s = ref_params[name].float(), start[name].float()
-        scale = max(q.abs().max().item(), (q - s).abs().max().item() * 20)
-        assert (p.float() - q).abs().max().item() <= 0.05 * scale + 1e-6, name
+    assert_trained_alike(routed, unrouted, model, ref_model, start)
 
 
 @native

@@ -18,12 +18,11 @@ Backs docs/compute_policy.md, "Residual add + RMSNorm".
 """
 from __future__ import annotations
 
-from unittest import mock
-
 import torch
 
 from benchmarks.common import report
-from benchmarks.common.timing import interleaved, op_and_step_arguments, routed_against_unrouted
+from benchmarks.common.route_study import print_step_row, route_step_row
+from benchmarks.common.timing import interleaved, op_and_step_arguments
 
 BF16 = torch.bfloat16
 OP_SHAPES = ((1, 2048, 768),)
@@ -58,38 +57,10 @@ def _op_row(shape: tuple, rounds: int) -> dict:
             "ratio_add_op": rs.paired("fused", "add_op").median}
 
 
-def _llama_step(routed: bool):
-    """A zero-argument step of a fresh ``llama_s256`` under optimize(bf16, native), and how many layers it routed."""
-    import ipex_train
-    from benchmarks.common.train_models import MODELS, NUM_CLASSES
-    from ipex_train.compute_policy import _add_rms_norm, routed_modules
-
-    spec = MODELS["llama_s256"]
-    torch.manual_seed(0)
-    model = spec.build().train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    with mock.patch.object(_add_rms_norm, "routable", _add_rms_norm.routable if routed else (lambda module: False)):
-        model, opt = ipex_train.optimize(model, opt, dtype=BF16, bf16_compute="native")
-    n_routed = routed_modules(model).get("add_rms_norm", 0)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(spec.input_shape, generator=gen)
-    target = torch.randn(spec.input_shape[0], NUM_CLASSES, generator=gen)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = (model(x).float() - target).pow(2).mean()
-        loss.backward()
-        opt.step()
-
-    return step, n_routed
-
-
 def _step_row(rounds: int) -> dict:
-    routed, n_routed = _llama_step(True)
-    plain, n_plain = _llama_step(False)
-    control, _ = _llama_step(False)  # a second unrouted instance: the noise floor for the ratio
-    return {"model": "llama_s256", "layers_routed": n_routed, "layers_routed_in_unrouted": n_plain,
-            **routed_against_unrouted(routed, plain, control, rounds)}
+    from ipex_train.compute_policy import _add_rms_norm
+
+    return route_step_row("llama_s256", _add_rms_norm, "add_rms_norm", rounds)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,10 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_step:
         row = _step_row(args.step_rounds)
         steps.append(row)
-        print(f"llama_s256 step: unrouted {row['unrouted_ms']:.1f} routed {row['routed_ms']:.1f} ratio "
-              f"{row['ratio']:.3f} (spread {row['ratio_spread']:.3f}) control {row['control_ms']:.1f} ratio "
-              f"{row['control_ratio']:.3f} ms; layers routed {row['layers_routed']} / in unrouted "
-              f"{row['layers_routed_in_unrouted']}", flush=True)
+        print_step_row(row)
     return report.write(args.json, {"meta": {"threads": torch.get_num_threads()}, "op": ops, "step": steps},
                         indent=1)
 
