@@ -52,3 +52,33 @@ def print_step_row(row: dict) -> None:
           f"{row['ratio']:.3f} (spread {row['ratio_spread']:.3f}) control {row['control_ms']:.1f} ratio "
           f"{row['control_ratio']:.3f} ms; modules routed {row['modules_routed']} / in unrouted "
           f"{row['modules_routed_in_unrouted']}", flush=True)
+
+
+def run_two_column_study(description: str, op_shapes, op_row, step_row, shape_label: str,
+                         argv: list[str] | None = None) -> dict:
+    """The ``main()`` of a fused op's study whose op rows compare torch against the fused op (``op_row(shape,
+    rounds)`` -> ``torch_ms``, ``fused_ms``, ``ratio``) and whose step row is ``step_row(rounds)`` (a
+    :func:`route_step_row`): parse the study's command line, print both tables, return (and optionally write) the
+    JSON."""
+    import torch
+
+    from benchmarks.common import report
+    from benchmarks.common.timing import op_and_step_arguments
+
+    args = op_and_step_arguments(description, argv)
+    ops = []
+    width = max(16, len(shape_label) + 2)
+    if not args.no_op:
+        print(f"op bf16 fwd+bwd: {shape_label:>{width}}{'torch':>9}{'fused':>9}{'ratio':>7}  (ms)")
+    for shape in () if args.no_op else op_shapes:
+        row = op_row(shape, args.op_rounds)
+        ops.append(row)
+        print(f"{'':<17}{str(shape):>{width}}{row['torch_ms']:9.2f}{row['fused_ms']:9.2f}{row['ratio']:7.3f}",
+              flush=True)
+    steps = []
+    if not args.no_step:
+        row = step_row(args.step_rounds)
+        steps.append(row)
+        print_step_row(row)
+    return report.write(args.json, {"meta": {"threads": torch.get_num_threads()}, "op": ops, "step": steps},
+                        indent=1)

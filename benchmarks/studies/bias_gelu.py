@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import report
-from benchmarks.common.route_study import print_step_row, route_step_row
-from benchmarks.common.timing import interleaved, op_and_step_arguments
+from benchmarks.common.route_study import route_step_row, run_two_column_study
+from benchmarks.common.timing import interleaved
 
 BF16 = torch.bfloat16
 OP_SHAPES = ((8 * 128, 768, 3072),)  # tokens, in, out
@@ -60,21 +59,7 @@ def _step_row(rounds: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     """Time the op rows and the step row, print tables and return (and optionally write) the JSON."""
-    args = op_and_step_arguments(__doc__.splitlines()[0], argv)
-    ops = []
-    if not args.no_op:
-        print(f"op bf16 fwd+bwd: {'tokens, in, out':>18}{'torch':>9}{'fused':>9}{'ratio':>7}  (ms)")
-    for shape in () if args.no_op else OP_SHAPES:
-        row = _op_row(shape, args.op_rounds)
-        ops.append(row)
-        print(f"{'':<17}{str(shape):>18}{row['torch_ms']:9.2f}{row['fused_ms']:9.2f}{row['ratio']:7.3f}", flush=True)
-    steps = []
-    if not args.no_step:
-        row = _step_row(args.step_rounds)
-        steps.append(row)
-        print_step_row(row)
-    return report.write(args.json, {"meta": {"threads": torch.get_num_threads()}, "op": ops, "step": steps},
-                        indent=1)
+    return run_two_column_study(__doc__.splitlines()[0], OP_SHAPES, _op_row, _step_row, "tokens, in, out", argv)
 
 
 if __name__ == "__main__":
