@@ -217,3 +217,26 @@ def test_fp32_residual_stream_is_fused():
     with OpNames() as ops:
         model(inputs_embeds=embeds, labels=IDS).loss.backward()
     assert ops.names.count(OURS) == LAYERS and ops.names.count(OURS_BACKWARD) == LAYERS
+
+
+@native
+def test_gradient_checkpointing_recomputes_the_routed_forward():
+    # LlamaDecoderLayer's __call__ (GradientCheckpointingLayer) checkpoints whatever forward the instance has: the
+    # routed one runs twice per layer (forward, then the recomputation) and the gradients are those without
+    # checkpointing, bit for bit (no dropout, the same ops recomputed).
+    def grads(checkpointing):
+        model = _llama()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model, _ = _optimized(model)
+        assert cp.routed_modules(model)["add_rms_norm"] == LAYERS
+        with OpNames() as ops:
+            model(input_ids=IDS, labels=IDS).loss.backward()
+        assert ops.names.count(OURS) == LAYERS * (2 if checkpointing else 1)
+        assert ops.names.count(OURS_BACKWARD) == LAYERS
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys() and len(plain) > 0
+    for name, g in plain.items():
+        assert torch.equal(checkpointed[name], g), name

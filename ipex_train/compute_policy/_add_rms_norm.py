@@ -23,7 +23,7 @@ import torch
 from .. import rms_norm as _fused
 from . import _rms_norm
 from ._source import digest
-from ._swap import Swap, global_hooks
+from ._swap import Swap, checkpointing, global_hooks
 
 # Classes whose forward was LlamaDecoderLayer's, token for token, in transformers 5.24 and whose post-attention norm
 # is of _rms_norm.LLAMA_FORMULA (many more decoder layers share the forward, over norms of other formulas: those
@@ -78,11 +78,23 @@ def _fusable(self, hidden_states, args, kwargs) -> bool:
             and _norm_fusable(self.post_attention_layernorm))
 
 
+def _cache_in_use(kwargs) -> bool:
+    # What GradientCheckpointingLayer's wrapper rewrites (and warns of) before checkpointing: left to the class.
+    return bool(kwargs.get("use_cache")) or any(kwargs.get(k) is not None for k in ("cache", "layer_past"))
+
+
 def forward(self, hidden_states, *args, **kwargs):
     """The routed forward: the class's computation with the residual add and ``post_attention_layernorm`` fused
-    where the kernel takes the tensors; every other call as the class computes it."""
-    if not _fusable(self, hidden_states, args, kwargs):
+    where the kernel takes the tensors; every other call as the class computes it. Under gradient checkpointing,
+    checkpointed as the class's forward is."""
+    if not _fusable(self, hidden_states, args, kwargs) or (checkpointing(self) and _cache_in_use(kwargs)):
         return type(self).forward(self, hidden_states, *args, **kwargs)
+    if checkpointing(self):  # as the class's wrapper: the hidden states positional, the keywords bound
+        return self._gradient_checkpointing_func(functools.partial(_compute, self, **kwargs), hidden_states)
+    return _compute(self, hidden_states, **kwargs)
+
+
+def _compute(self, hidden_states, **kwargs):
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **{**dict(_ATTENTION_DEFAULTS), **kwargs})

@@ -28,7 +28,7 @@ import torch
 
 from .. import add_norm as _fused
 from ._source import digest
-from ._swap import Swap, global_hooks, plain
+from ._swap import Swap, checkpointing, global_hooks, plain
 
 # The hash (._source.digest) of transformers 5.24's ViTLayer.forward, which DeiTLayer, ViTMAELayer, ViTMSNLayer,
 # IJepaLayer, ASTLayer and VivitLayer share token for token (Dinov2Layer, with layer scale, does not).
@@ -67,19 +67,13 @@ def _fusable(self, hidden_states) -> bool:
             and isinstance(hidden_states, torch.Tensor) and hidden_states.device.type == "cpu")
 
 
-def _checkpointing(self) -> bool:
-    """Whether the class's forward would checkpoint this call (transformers' ``GradientCheckpointingLayer`` wraps it
-    so); the instance-level forward replaces that wrapper, so it checkpoints itself, as the wrapper does."""
-    return bool(getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled())
-
-
 def forward(self, hidden_states, attention_mask=None, **kwargs):
     """The routed forward: the class's module calls, with the residual add after the attention and
     ``layernorm_after`` fused where the operands are bf16 or fp32 CPU tensors the kernel takes; every other call as
     the class computes it. Under gradient checkpointing, checkpointed as the class's forward is."""
-    if not _fusable(self, hidden_states) or (_checkpointing(self) and _CACHE_KWARGS.intersection(kwargs)):
+    if not _fusable(self, hidden_states) or (checkpointing(self) and _CACHE_KWARGS.intersection(kwargs)):
         return type(self).forward(self, hidden_states, attention_mask, **kwargs)
-    if _checkpointing(self):
+    if checkpointing(self):
         # As GradientCheckpointingLayer's wrapper: the tensors positional, the keywords bound (the wrapper's cache
         # handling is left to the class: calls with a cache argument run its forward, above).
         return self._gradient_checkpointing_func(functools.partial(_compute, self, **kwargs), hidden_states,

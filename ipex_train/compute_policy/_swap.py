@@ -68,3 +68,10 @@ def cast_as_pre_hooks(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if hooks == [("ipex_train.precision.casts", "cast_inputs")] and x.is_floating_point():
         return x.to(module.weight.dtype)
     return x
+
+
+def checkpointing(module: torch.nn.Module) -> bool:
+    """Whether the class's forward would checkpoint this call of ``module``: transformers'
+    ``GradientCheckpointingLayer`` wraps the class's forward so, and an instance-level forward replaces that wrapper,
+    so a routed forward of such a layer checkpoints itself when this holds."""
+    return bool(getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled())
