@@ -1,4 +1,4 @@
-"""The whole-step half of a native-policy route's study: a benchmark-suite model trained under
+"""A native-policy route's study: op rows (torch against the fused op) and whole-step rows, a model trained under
 ``optimize(dtype=bf16, bf16_compute="native")`` with every route on, against the same model with one route switched
 off (its ``routable`` patched to False), and a second unrouted instance as the noise floor."""
 from __future__ import annotations
@@ -6,79 +6,103 @@ from __future__ import annotations
 from unittest import mock
 
 
-def suite_step(model_name: str, route, route_name: str, routed: bool):
-    """A zero-argument SGD step (MSE against a fixed random target) of the suite's ``model_name``, with ``route`` (a
+def routed_step(build, loss, route, route_name: str, routed: bool):
+    """A zero-argument SGD step of ``build()`` (seeded, momentum 0.9) minimising ``loss(model)``, with ``route`` (a
     ``ipex_train.compute_policy`` route module) on or off, and how many modules ``route_name`` routes in it."""
     import torch
 
     import ipex_train
-    from benchmarks.common.train_models import MODELS, NUM_CLASSES
 
-    spec = MODELS[model_name]
     torch.manual_seed(0)
-    model = spec.build().train()
+    model = build().train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     with mock.patch.object(route, "routable", route.routable if routed else (lambda module: False)):
         model, opt = ipex_train.optimize(model, opt, dtype=torch.bfloat16, bf16_compute="native")
     n_routed = ipex_train.compute_policy.routed_modules(model).get(route_name, 0)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(spec.input_shape, generator=gen)
-    target = torch.randn(spec.input_shape[0], NUM_CLASSES, generator=gen)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = (model(x).float() - target).pow(2).mean()
-        loss.backward()
+        loss(model).backward()
         opt.step()
 
     return step, n_routed
 
 
-def route_step_row(model_name: str, route, route_name: str, rounds: int) -> dict:
-    """:func:`benchmarks.common.timing.routed_against_unrouted` over :func:`suite_step`'s routed, unrouted and
-    control models, with the model's name and how many modules the route took in the routed and unrouted ones."""
+def suite_step(model_name: str, route, route_name: str, routed: bool):
+    """:func:`routed_step` on the benchmark suite's ``model_name`` (MSE against a fixed random target)."""
+    import torch
+
+    from benchmarks.common.train_models import MODELS, NUM_CLASSES
+
+    spec = MODELS[model_name]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(spec.input_shape, generator=gen)
+    target = torch.randn(spec.input_shape[0], NUM_CLASSES, generator=gen)
+    return routed_step(spec.build, lambda model: (model(x).float() - target).pow(2).mean(), route, route_name, routed)
+
+
+def step_row(make_step, rounds: int) -> dict:
+    """:func:`benchmarks.common.timing.routed_against_unrouted` over ``make_step(routed)``'s routed, unrouted and
+    control steps (each ``make_step`` returns ``(step, modules routed)``), with the routed module counts."""
     from benchmarks.common.timing import routed_against_unrouted
 
-    routed, n_routed = suite_step(model_name, route, route_name, True)
-    plain, n_plain = suite_step(model_name, route, route_name, False)
-    control, _ = suite_step(model_name, route, route_name, False)
-    return {"model": model_name, "modules_routed": n_routed, "modules_routed_in_unrouted": n_plain,
+    routed, n_routed = make_step(True)
+    plain, n_plain = make_step(False)
+    control, _ = make_step(False)
+    return {"modules_routed": n_routed, "modules_routed_in_unrouted": n_plain,
             **routed_against_unrouted(routed, plain, control, rounds)}
 
 
-def print_step_row(row: dict) -> None:
-    """One line for a :func:`route_step_row` row."""
-    print(f"{row['model']} step: unrouted {row['unrouted_ms']:.1f} routed {row['routed_ms']:.1f} ratio "
-          f"{row['ratio']:.3f} (spread {row['ratio_spread']:.3f}) control {row['control_ms']:.1f} ratio "
-          f"{row['control_ratio']:.3f} ms; modules routed {row['modules_routed']} / in unrouted "
-          f"{row['modules_routed_in_unrouted']}", flush=True)
+def route_step_row(model_name: str, route, route_name: str, rounds: int) -> dict:
+    """:func:`step_row` over :func:`suite_step`'s models, with the model's name."""
+    return {"model": model_name,
+            **step_row(lambda routed: suite_step(model_name, route, route_name, routed), rounds)}
 
 
-def run_two_column_study(description: str, op_shapes, op_row, step_row, shape_label: str,
-                         argv: list[str] | None = None) -> dict:
-    """The ``main()`` of a fused op's study whose op rows compare torch against the fused op (``op_row(shape,
-    rounds)`` -> ``torch_ms``, ``fused_ms``, ``ratio``) and whose step row is ``step_row(rounds)`` (a
-    :func:`route_step_row`): parse the study's command line, print both tables, return (and optionally write) the
-    JSON."""
+def step_line(row: dict) -> str:
+    """One line for a :func:`step_row` row (named by its ``model``, if any)."""
+    return (f"{row.get('model', '')} step: unrouted {row['unrouted_ms']:.1f} routed {row['routed_ms']:.1f} ratio "
+            f"{row['ratio']:.3f} (spread {row['ratio_spread']:.3f}) control {row['control_ms']:.1f} ratio "
+            f"{row['control_ratio']:.3f} ms; modules routed {row['modules_routed']} / in unrouted "
+            f"{row['modules_routed_in_unrouted']}")
+
+
+def run_study(description: str, *, op_cases, op_row, op_header: str, op_line, step_cases=(None,), step_row_of,
+              step_header: str | None = None, step_line_of=step_line, meta: dict | None = None,
+              argv: list[str] | None = None) -> dict:
+    """The ``main()`` of a route's study: parse the command line (``--op-rounds``, ``--step-rounds``, ``--no-op``,
+    ``--no-step``, ``--json``, ``--threads``), time ``op_row(case, rounds)`` for each op case and
+    ``step_row_of(case, rounds)`` for each step case, printing a header and one line per row, and return (and
+    optionally write) the JSON."""
     import torch
 
     from benchmarks.common import report
     from benchmarks.common.timing import op_and_step_arguments
 
     args = op_and_step_arguments(description, argv)
-    ops = []
+    ops, steps = [], []
+    for rows, cases, make, header, line, rounds, off in (
+            (ops, op_cases, op_row, op_header, op_line, args.op_rounds, args.no_op),
+            (steps, step_cases, step_row_of, step_header, step_line_of, args.step_rounds, args.no_step)):
+        if off:
+            continue
+        if header:
+            print(header)
+        for case in cases:
+            rows.append(make(case, rounds))
+            print(line(rows[-1]), flush=True)
+    return report.write(args.json, {"meta": {"threads": torch.get_num_threads(), **(meta or {})}, "op": ops,
+                                    "step": steps}, indent=1)
+
+
+def run_two_column_study(description: str, op_shapes, op_row, step_row_of, shape_label: str,
+                         argv: list[str] | None = None) -> dict:
+    """:func:`run_study` for a fused op whose op rows compare torch against it (``op_row(shape, rounds)`` ->
+    ``torch_ms``, ``fused_ms``, ``ratio``) and whose one step row is ``step_row_of(rounds)``."""
     width = max(16, len(shape_label) + 2)
-    if not args.no_op:
-        print(f"op bf16 fwd+bwd: {shape_label:>{width}}{'torch':>9}{'fused':>9}{'ratio':>7}  (ms)")
-    for shape in () if args.no_op else op_shapes:
-        row = op_row(shape, args.op_rounds)
-        ops.append(row)
-        print(f"{'':<17}{str(shape):>{width}}{row['torch_ms']:9.2f}{row['fused_ms']:9.2f}{row['ratio']:7.3f}",
-              flush=True)
-    steps = []
-    if not args.no_step:
-        row = step_row(args.step_rounds)
-        steps.append(row)
-        print_step_row(row)
-    return report.write(args.json, {"meta": {"threads": torch.get_num_threads()}, "op": ops, "step": steps},
-                        indent=1)
+    return run_study(
+        description, op_cases=op_shapes, op_row=op_row,
+        op_header=f"op bf16 fwd+bwd: {shape_label:>{width}}{'torch':>9}{'fused':>9}{'ratio':>7}  (ms)",
+        op_line=lambda row: (f"{'':<17}{str(tuple(row['shape'])):>{width}}{row['torch_ms']:9.2f}"
+                             f"{row['fused_ms']:9.2f}{row['ratio']:7.3f}"),
+        step_row_of=lambda _, rounds: step_row_of(rounds), argv=argv)

@@ -20,13 +20,11 @@ Backs docs/compute_policy.md, "Dropout + residual add + LayerNorm".
 """
 from __future__ import annotations
 
-from unittest import mock
-
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import report
-from benchmarks.common.timing import interleaved, op_and_step_arguments, routed_against_unrouted
+from benchmarks.common.route_study import routed_step, run_study, step_row
+from benchmarks.common.timing import interleaved
 
 BF16 = torch.bfloat16
 SHAPE = (8, 128, 768)
@@ -57,67 +55,41 @@ def _op_row(residual_dtype: torch.dtype, p: float, rounds: int) -> dict:
 
 
 def _bert_step(dropout: float, routed: bool):
-    """A zero-argument step of a fresh 12-layer BERT-base under optimize(bf16, native)."""
+    """A zero-argument step of a fresh 12-layer BERT-base under optimize(bf16, native), and its routed blocks."""
     import transformers
 
-    import ipex_train
     from ipex_train.compute_policy import _add_norm
 
-    torch.manual_seed(0)
     config = transformers.BertConfig(hidden_dropout_prob=dropout, attention_probs_dropout_prob=0.0,
                                      attn_implementation="sdpa")
-    model = transformers.BertModel(config, add_pooling_layer=False).train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    with mock.patch.object(_add_norm, "routable", _add_norm.routable if routed else (lambda module: False)):
-        model, opt = ipex_train.optimize(model, opt, dtype=BF16, bf16_compute="native")
-    n_routed = sum("forward" in vars(m) and type(m).__name__ in ("BertSelfOutput", "BertOutput")
-                   for m in model.modules())
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, SHAPE[:2], generator=gen)
     target = torch.randn(SHAPE, generator=gen)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = (model(input_ids=ids).last_hidden_state.float() - target).pow(2).mean()
-        loss.backward()
-        opt.step()
-
-    return step, n_routed
+    return routed_step(lambda: transformers.BertModel(config, add_pooling_layer=False),
+                       lambda model: (model(input_ids=ids).last_hidden_state.float() - target).pow(2).mean(),
+                       _add_norm, "add_norm", routed)
 
 
 def _step_row(dropout: float, rounds: int) -> dict:
-    routed, n_routed = _bert_step(dropout, True)
-    plain, n_plain = _bert_step(dropout, False)
-    # A second unrouted instance of the same model: how far two identical models' steps differ here (allocation
-    # and cache placement), the noise floor for the routed / unrouted ratio.
-    control, _ = _bert_step(dropout, False)
-    return {"hidden_dropout": dropout, "blocks_routed": n_routed, "blocks_routed_in_unrouted": n_plain,
-            **routed_against_unrouted(routed, plain, control, rounds)}
+    return {"hidden_dropout": dropout, **step_row(lambda routed: _bert_step(dropout, routed), rounds)}
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Time the op rows and the step rows, print tables and return (and optionally write) the JSON."""
-    args = op_and_step_arguments(__doc__.splitlines()[0], argv)
-    ops = []
-    if not args.no_op:
-        print(f"op {SHAPE} bf16 x, fp32 weight: {'residual':>9}{'p':>5}{'torch':>9}{'fused':>9}{'ratio':>7}  (ms)")
-    for residual_dtype in () if args.no_op else (BF16, torch.float32):
-        for drop in (0.0, 0.1):
-            row = _op_row(residual_dtype, drop, args.op_rounds)
-            ops.append(row)
-            print(f"{'':<34}{row['residual']:>9}{drop:>5}{row['torch_ms']:9.2f}{row['fused_ms']:9.2f}"
-                  f"{row['ratio']:7.3f}", flush=True)
-    steps = []
-    if not args.no_step:
-        print(f"BERT-base step b8 s128: {'dropout':>8}{'unrouted':>10}{'routed':>9}{'ratio':>7}{'spread':>8}"
-              f"{'control':>9}{'ratio':>7}  (ms)")
-        for drop in (0.0, 0.1):
-            row = _step_row(drop, args.step_rounds)
-            steps.append(row)
-            print(f"{'':<23}{drop:>8}{row['unrouted_ms']:10.1f}{row['routed_ms']:9.1f}{row['ratio']:7.3f}"
-                  f"{row['ratio_spread']:8.3f}{row['control_ms']:9.1f}{row['control_ratio']:7.3f}", flush=True)
-    return report.write(args.json, {"meta": {"threads": torch.get_num_threads(), "shape": list(SHAPE)},
-                                    "op": ops, "step": steps}, indent=1)
+    return run_study(
+        __doc__.splitlines()[0],
+        op_cases=[(r, p) for r in (BF16, torch.float32) for p in (0.0, 0.1)],
+        op_row=lambda case, rounds: _op_row(*case, rounds),
+        op_header=f"op {SHAPE} bf16 x, fp32 weight: {'residual':>9}{'p':>5}{'torch':>9}{'fused':>9}{'ratio':>7}  (ms)",
+        op_line=lambda row: (f"{'':<34}{row['residual']:>9}{row['p']:>5}{row['torch_ms']:9.2f}{row['fused_ms']:9.2f}"
+                             f"{row['ratio']:7.3f}"),
+        step_cases=(0.0, 0.1), step_row_of=_step_row,
+        step_header=(f"BERT-base step b8 s128: {'dropout':>8}{'unrouted':>10}{'routed':>9}{'ratio':>7}{'spread':>8}"
+                     f"{'control':>9}{'ratio':>7}  (ms)"),
+        step_line_of=lambda row: (f"{'':<23}{row['hidden_dropout']:>8}{row['unrouted_ms']:10.1f}"
+                                  f"{row['routed_ms']:9.1f}{row['ratio']:7.3f}{row['ratio_spread']:8.3f}"
+                                  f"{row['control_ms']:9.1f}{row['control_ratio']:7.3f}"),
+        meta={"shape": list(SHAPE)}, argv=argv)
 
 
 if __name__ == "__main__":

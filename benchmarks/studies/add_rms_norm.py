@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import report
-from benchmarks.common.route_study import print_step_row, route_step_row
-from benchmarks.common.timing import interleaved, op_and_step_arguments
+from benchmarks.common.route_study import route_step_row, run_study
+from benchmarks.common.timing import interleaved
 
 BF16 = torch.bfloat16
 OP_SHAPES = ((1, 2048, 768),)
@@ -65,22 +64,13 @@ def _step_row(rounds: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     """Time the op rows and the step row, print tables and return (and optionally write) the JSON."""
-    args = op_and_step_arguments(__doc__.splitlines()[0], argv)
-    ops = []
-    if not args.no_op:
-        print(f"op bf16 fwd+bwd: {'shape':>16}{'torch':>9}{'add+op':>9}{'fused':>9}{'/torch':>8}{'/add+op':>8}  (ms)")
-    for shape in () if args.no_op else OP_SHAPES:
-        row = _op_row(shape, args.op_rounds)
-        ops.append(row)
-        print(f"{'':<17}{str(shape):>16}{row['torch_ms']:9.2f}{row['add_op_ms']:9.2f}{row['fused_ms']:9.2f}"
-              f"{row['ratio_torch']:8.3f}{row['ratio_add_op']:8.3f}", flush=True)
-    steps = []
-    if not args.no_step:
-        row = _step_row(args.step_rounds)
-        steps.append(row)
-        print_step_row(row)
-    return report.write(args.json, {"meta": {"threads": torch.get_num_threads()}, "op": ops, "step": steps},
-                        indent=1)
+    return run_study(
+        __doc__.splitlines()[0], op_cases=OP_SHAPES, op_row=_op_row,
+        op_header=(f"op bf16 fwd+bwd: {'shape':>16}{'torch':>9}{'add+op':>9}{'fused':>9}{'/torch':>8}"
+                   f"{'/add+op':>8}  (ms)"),
+        op_line=lambda row: (f"{'':<17}{str(tuple(row['shape'])):>16}{row['torch_ms']:9.2f}{row['add_op_ms']:9.2f}"
+                             f"{row['fused_ms']:9.2f}{row['ratio_torch']:8.3f}{row['ratio_add_op']:8.3f}"),
+        step_row_of=lambda _, rounds: _step_row(rounds), argv=argv)
 
 
 if __name__ == "__main__":

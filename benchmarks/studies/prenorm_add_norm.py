@@ -19,19 +19,17 @@ Backs docs/compute_policy.md, "Residual add + LayerNorm in pre-norm layers".
 """
 from __future__ import annotations
 
-from unittest import mock
-
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import report
-from benchmarks.common.timing import interleaved, op_and_step_arguments, routed_against_unrouted
+from benchmarks.common.route_study import routed_step, run_study, step_line, step_row
+from benchmarks.common.timing import interleaved
 
 BF16 = torch.bfloat16
 SHAPE = (4, 197, 768)
 
 
-def _op_row(rounds: int) -> dict:
+def _op_row(_, rounds: int) -> dict:
     from ipex_train.add_norm import add_layer_norm_with_sum
 
     gen = torch.Generator().manual_seed(0)
@@ -59,53 +57,25 @@ def _vit_step(routed: bool):
     """A zero-argument step of a fresh ViT-B/16 under optimize(bf16, native), and how many layers it routes."""
     import transformers
 
-    import ipex_train
-    from ipex_train.compute_policy import _prenorm, routed_modules
+    from ipex_train.compute_policy import _prenorm
 
-    torch.manual_seed(0)
     config = transformers.ViTConfig(attn_implementation="sdpa")
-    model = transformers.ViTModel(config, add_pooling_layer=False).train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    with mock.patch.object(_prenorm, "routable", _prenorm.routable if routed else (lambda module: False)):
-        model, opt = ipex_train.optimize(model, opt, dtype=BF16, bf16_compute="native")
     gen = torch.Generator().manual_seed(1)
     pixels = torch.randn(SHAPE[0], 3, 224, 224, generator=gen)
     target = torch.randn(SHAPE, generator=gen)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = (model(pixel_values=pixels).last_hidden_state.float() - target).pow(2).mean()
-        loss.backward()
-        opt.step()
-
-    return step, routed_modules(model).get("prenorm_add_norm", 0)
-
-
-def _step_row(rounds: int) -> dict:
-    routed, n_routed = _vit_step(True)
-    plain, n_plain = _vit_step(False)
-    control, _ = _vit_step(False)  # the noise floor: two identical unrouted models
-    return {"layers_routed": n_routed, "layers_routed_in_unrouted": n_plain,
-            **routed_against_unrouted(routed, plain, control, rounds)}
+    return routed_step(lambda: transformers.ViTModel(config, add_pooling_layer=False),
+                       lambda model: (model(pixel_values=pixels).last_hidden_state.float() - target).pow(2).mean(),
+                       _prenorm, "prenorm_add_norm", routed)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Time the op row and the step row, print them and return (and optionally write) the JSON."""
-    args = op_and_step_arguments(__doc__.splitlines()[0], argv)
-    ops, steps = [], []
-    if not args.no_op:
-        row = _op_row(args.op_rounds)
-        ops.append(row)
-        print(f"op {SHAPE} bf16, fp32 weight, grads of y and sum: torch {row['torch_ms']:.2f} ms, fused "
-              f"{row['fused_ms']:.2f} ms, ratio {row['ratio']:.3f}", flush=True)
-    if not args.no_step:
-        row = _step_row(args.step_rounds)
-        steps.append(row)
-        print(f"ViT-B/16 step b{SHAPE[0]}: unrouted {row['unrouted_ms']:.1f} ms, routed {row['routed_ms']:.1f} ms, "
-              f"ratio {row['ratio']:.3f} (spread {row['ratio_spread']:.3f}), control {row['control_ms']:.1f} ms, "
-              f"ratio {row['control_ratio']:.3f}", flush=True)
-    return report.write(args.json, {"meta": {"threads": torch.get_num_threads(), "shape": list(SHAPE)},
-                                    "op": ops, "step": steps}, indent=1)
+    return run_study(
+        __doc__.splitlines()[0], op_cases=(SHAPE,), op_row=_op_row, op_header="",
+        op_line=lambda row: (f"op {SHAPE} bf16, fp32 weight, grads of y and sum: torch {row['torch_ms']:.2f} ms, "
+                             f"fused {row['fused_ms']:.2f} ms, ratio {row['ratio']:.3f}"),
+        step_row_of=lambda _, rounds: step_row(_vit_step, rounds),
+        step_line_of=lambda row: "ViT-B/16 " + step_line(row).lstrip(), meta={"shape": list(SHAPE)}, argv=argv)
 
 
 if __name__ == "__main__":
