@@ -1,11 +1,31 @@
 """Checks every native-policy module route's tests share: detaching restores the class's forwards and the model's
-output, attaching again routes again, and a pickled routed model runs."""
+output, attaching again routes again, and a pickled routed model runs; the emulated policy routes nothing; the
+optimize() call and the training loop the route tests use."""
 import pickle
 
 import torch
 from op_names import OpNames
 
+import ipex_train
 import ipex_train.compute_policy as cp
+
+
+def optimized(model, policy="native", lr=0.05):
+    """``(model, optimizer)`` from optimize(bf16, ``bf16_compute=policy``) over an SGD (momentum 0.9) of ``model``'s
+    trainable parameters."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
+    return ipex_train.optimize(model, opt, dtype=torch.bfloat16, bf16_compute=policy)
+
+
+def emulated_does_not_route(model, modules_of, train_step, op_name):
+    """``model`` optimized under the emulated policy: none of ``modules_of(model)`` (not empty) has an instance-level
+    forward, and ``train_step(model, optimizer)`` never calls ``op_name``."""
+    model, opt = optimized(model, policy="emulated")
+    modules = modules_of(model)
+    assert modules and not any("forward" in vars(m) for m in modules)
+    with OpNames() as ops:
+        train_step(model, opt)
+    assert op_name not in ops.names
 
 
 def detach_restores_and_attach_again(model, modules, routes, op_name, output):

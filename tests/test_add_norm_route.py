@@ -14,9 +14,14 @@ import copy
 import pytest
 import torch
 from op_names import OpNames
-from route_checks import assert_trained_alike, detach_restores_and_attach_again, train
+from route_checks import (
+    assert_trained_alike,
+    detach_restores_and_attach_again,
+    emulated_does_not_route,
+    optimized,
+    train,
+)
 
-import ipex_train
 import ipex_train.compute_policy as cp
 
 transformers = pytest.importorskip("transformers")
@@ -45,11 +50,6 @@ def _bert(dropout=0.0, head=False):
     return model.train()
 
 
-def _optimized(model, policy="native", lr=0.05):
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    return ipex_train.optimize(model, opt, dtype=BF16, bf16_compute=policy)
-
-
 IDS = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
 TARGET = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(1))
 
@@ -75,7 +75,7 @@ def test_routed_trains_as_unrouted(head, monkeypatch):
     # embeddings to the fp32 decoder, so the residual stream is fp32 and meets bf16 dense outputs.
     base = _bert(head=head)
     start = copy.deepcopy(base.state_dict())
-    model, opt = _optimized(base)
+    model, opt = optimized(base)
     assert len(_blocks(model)) == 2 * LAYERS and all("forward" in vars(m) for m in _blocks(model))
     with OpNames() as ops:
         routed = _train(model, opt, steps=1)
@@ -84,7 +84,7 @@ def test_routed_trains_as_unrouted(head, monkeypatch):
     ref_base = _bert(head=head)
     ref_base.load_state_dict(start)
     monkeypatch.setattr(cp._add_norm, "routable", lambda module: False)
-    ref_model, ref_opt = _optimized(ref_base)
+    ref_model, ref_opt = optimized(ref_base)
     assert not any("forward" in vars(m) for m in _blocks(ref_model))
     with OpNames() as ops:
         unrouted = _train(ref_model, ref_opt, steps=1)
@@ -95,7 +95,7 @@ def test_routed_trains_as_unrouted(head, monkeypatch):
 
 @native
 def test_dropout_routed_model_trains():
-    model, opt = _optimized(_bert(dropout=0.1), lr=0.02)
+    model, opt = optimized(_bert(dropout=0.1), lr=0.02)
     torch.manual_seed(0)
     with OpNames() as ops:
         losses = _train(model, opt, steps=1)
@@ -191,17 +191,13 @@ def test_routable_classes():
 
 @native
 def test_detach_restores_and_attach_again():
-    model, _ = _optimized(_bert())
+    model, _ = optimized(_bert())
     detach_restores_and_attach_again(model, _blocks(model), cp.routes_add_norm, OURS,
                                      lambda m: m(input_ids=IDS).last_hidden_state)
 
 
 def test_emulated_policy_does_not_route():
-    model, opt = _optimized(_bert(), policy="emulated")
-    assert not any("forward" in vars(m) for m in _blocks(model))
-    with OpNames() as ops:
-        _train(model, opt, steps=1)
-    assert OURS not in ops.names
+    emulated_does_not_route(_bert(), _blocks, lambda m, o: _train(m, o, steps=1), OURS)
 
 
 @native
@@ -226,7 +222,7 @@ def test_gradient_checkpointing_recomputes_the_same_dropout():
         model = _bert(dropout=0.2)
         if checkpointing:
             model.gradient_checkpointing_enable()
-        model, _ = _optimized(model)
+        model, _ = optimized(model)
         torch.manual_seed(5)
         with OpNames() as ops:
             _loss(model).backward()

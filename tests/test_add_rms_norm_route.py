@@ -13,9 +13,14 @@ import copy
 import pytest
 import torch
 from op_names import OpNames
-from route_checks import assert_trained_alike, detach_restores_and_attach_again, train
+from route_checks import (
+    assert_trained_alike,
+    detach_restores_and_attach_again,
+    emulated_does_not_route,
+    optimized,
+    train,
+)
 
-import ipex_train
 import ipex_train.compute_policy as cp
 from ipex_train.compute_policy import _add_rms_norm
 
@@ -43,11 +48,6 @@ def _llama():
     return transformers.LlamaForCausalLM(_config()).train()
 
 
-def _optimized(model, policy="native", lr=0.05):
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    return ipex_train.optimize(model, opt, dtype=BF16, bf16_compute=policy)
-
-
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
 
@@ -63,7 +63,7 @@ def _layers(model):
 def test_routed_trains_as_unrouted(monkeypatch):
     base = _llama()
     start = copy.deepcopy(base.state_dict())
-    model, opt = _optimized(base)
+    model, opt = optimized(base)
     assert cp.routed_modules(model)["add_rms_norm"] == LAYERS
     with OpNames() as ops:
         routed = _train(model, opt, steps=1)
@@ -72,7 +72,7 @@ def test_routed_trains_as_unrouted(monkeypatch):
     ref_base = _llama()
     ref_base.load_state_dict(start)
     monkeypatch.setattr(_add_rms_norm, "routable", lambda module: False)
-    ref_model, ref_opt = _optimized(ref_base)
+    ref_model, ref_opt = optimized(ref_base)
     assert "add_rms_norm" not in cp.routed_modules(ref_model) and "rms_norm" in cp.routed_modules(ref_model)
     with OpNames() as ops:
         unrouted = _train(ref_model, ref_opt, steps=1)
@@ -195,24 +195,20 @@ def test_routable_classes(monkeypatch):
 
 @native
 def test_detach_restores_and_attach_again():
-    model, _ = _optimized(_llama())
+    model, _ = optimized(_llama())
     detach_restores_and_attach_again(model, _layers(model), cp.routes_add_rms_norm, OURS,
                                      lambda m: m(input_ids=IDS).logits)
 
 
 def test_emulated_policy_does_not_route():
-    model, opt = _optimized(_llama(), policy="emulated")
-    assert "add_rms_norm" not in cp.routed_modules(model)
-    with OpNames() as ops:
-        _train(model, opt, steps=1)
-    assert OURS not in ops.names
+    emulated_does_not_route(_llama(), _layers, lambda m, o: _train(m, o, steps=1), OURS)
 
 
 @native
 def test_fp32_residual_stream_is_fused():
     # As benchmarks' llama_s256: fp32 embeddings keep the residual stream fp32 while the attention's output is bf16,
     # a pair the kernel takes (the sum fp32, as torch's promotion of `residual + h`).
-    model, _ = _optimized(_llama())
+    model, _ = optimized(_llama())
     embeds = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(0))
     with OpNames() as ops:
         model(inputs_embeds=embeds, labels=IDS).loss.backward()
@@ -228,7 +224,7 @@ def test_gradient_checkpointing_recomputes_the_routed_forward():
         model = _llama()
         if checkpointing:
             model.gradient_checkpointing_enable()
-        model, _ = _optimized(model)
+        model, _ = optimized(model)
         assert cp.routed_modules(model)["add_rms_norm"] == LAYERS
         with OpNames() as ops:
             model(input_ids=IDS, labels=IDS).loss.backward()

@@ -14,9 +14,14 @@ import copy
 import pytest
 import torch
 from op_names import OpNames
-from route_checks import assert_trained_alike, detach_restores_and_attach_again, train
+from route_checks import (
+    assert_trained_alike,
+    detach_restores_and_attach_again,
+    emulated_does_not_route,
+    optimized,
+    train,
+)
 
-import ipex_train
 import ipex_train.compute_policy as cp
 
 transformers = pytest.importorskip("transformers")
@@ -46,11 +51,6 @@ def _bert(head=False):
     return model.train()
 
 
-def _optimized(model, policy="native", lr=0.05):
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    return ipex_train.optimize(model, opt, dtype=BF16, bf16_compute=policy)
-
-
 IDS = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
 TARGET = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(1))
 
@@ -76,7 +76,7 @@ def test_routed_trains_as_unrouted(head, monkeypatch):
     # blocks take fp32 input, which optimize()'s pre-hook on dense casts to bf16 and the routed forward likewise.
     base = _bert(head=head)
     start = copy.deepcopy(base.state_dict())
-    model, opt = _optimized(base)
+    model, opt = optimized(base)
     assert len(_blocks(model)) == LAYERS and all("forward" in vars(m) for m in _blocks(model))
     with OpNames() as ops:
         routed = _train(model, opt, steps=1)
@@ -87,7 +87,7 @@ def test_routed_trains_as_unrouted(head, monkeypatch):
     ref_base = _bert(head=head)
     ref_base.load_state_dict(start)
     monkeypatch.setattr(cp._bias_gelu, "routable", lambda module: False)
-    ref_model, ref_opt = _optimized(ref_base)
+    ref_model, ref_opt = optimized(ref_base)
     assert not any("forward" in vars(m) for m in _blocks(ref_model))
     with OpNames() as ops:
         unrouted = _train(ref_model, ref_opt, steps=1)
@@ -123,7 +123,7 @@ def test_routed_vit_trains_as_unrouted(monkeypatch):
     torch.manual_seed(0)
     base = transformers.ViTModel(_vit_config(), add_pooling_layer=False).train()
     start = copy.deepcopy(base.state_dict())
-    model, opt = _optimized(base)
+    model, opt = optimized(base)
     mlps = [m for m in model.modules() if isinstance(m, ViTMLP)]
     assert len(mlps) == LAYERS and cp.routed_modules(model).get("bias_gelu") == LAYERS
     with OpNames() as ops:
@@ -135,14 +135,14 @@ def test_routed_vit_trains_as_unrouted(monkeypatch):
     ref_base = transformers.ViTModel(_vit_config(), add_pooling_layer=False).train()
     ref_base.load_state_dict(start)
     monkeypatch.setattr(cp._bias_gelu, "routable", lambda module: False)
-    ref_model, ref_opt = _optimized(ref_base)
+    ref_model, ref_opt = optimized(ref_base)
     unrouted = _vit_train(ref_model, ref_opt, 3)
     assert_trained_alike(routed, unrouted, model, ref_model, start)
 
 
 @native
 def test_routed_modules_counts_the_route():
-    model, _ = _optimized(_bert())
+    model, _ = optimized(_bert())
     assert cp.routed_modules(model) == {"add_norm": 2 * LAYERS, "bias_gelu": LAYERS}
 
 
@@ -264,17 +264,13 @@ def test_checked_digests_are_the_installed_forwards():
 
 @native
 def test_detach_restores_and_attach_again():
-    model, _ = _optimized(_bert())
+    model, _ = optimized(_bert())
     detach_restores_and_attach_again(model, _blocks(model), cp.routes_bias_gelu, OURS,
                                      lambda m: m(input_ids=IDS).last_hidden_state)
 
 
 def test_emulated_policy_does_not_route():
-    model, opt = _optimized(_bert(), policy="emulated")
-    assert not any("forward" in vars(m) for m in _blocks(model))
-    with OpNames() as ops:
-        _train(model, opt, steps=1)
-    assert OURS not in ops.names
+    emulated_does_not_route(_bert(), _blocks, lambda m, o: _train(m, o, steps=1), OURS)
 
 
 @native

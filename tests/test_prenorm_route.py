@@ -14,9 +14,14 @@ import copy
 import pytest
 import torch
 from op_names import OpNames
-from route_checks import assert_trained_alike, detach_restores_and_attach_again, train
+from route_checks import (
+    assert_trained_alike,
+    detach_restores_and_attach_again,
+    emulated_does_not_route,
+    optimized,
+    train,
+)
 
-import ipex_train
 import ipex_train.compute_policy as cp
 
 transformers = pytest.importorskip("transformers")
@@ -43,11 +48,6 @@ def _vit(dropout=0.0):
     return transformers.ViTModel(_config(dropout), add_pooling_layer=False).train()
 
 
-def _optimized(model, policy="native", lr=0.05):
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    return ipex_train.optimize(model, opt, dtype=BF16, bf16_compute=policy)
-
-
 PIXELS = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
 TARGET = torch.randn(2, 17, 64, generator=torch.Generator().manual_seed(1))
 
@@ -68,7 +68,7 @@ def _layers(model):
 def test_routed_trains_as_unrouted(monkeypatch):
     base = _vit()
     start = copy.deepcopy(base.state_dict())
-    model, opt = _optimized(base)
+    model, opt = optimized(base)
     assert cp.routed_modules(model).get("prenorm_add_norm") == LAYERS
     assert all("forward" in vars(m) for m in _layers(model))
     with OpNames() as ops:
@@ -78,7 +78,7 @@ def test_routed_trains_as_unrouted(monkeypatch):
     ref_base = _vit()
     ref_base.load_state_dict(start)
     monkeypatch.setattr(cp._prenorm, "routable", lambda module: False)
-    ref_model, ref_opt = _optimized(ref_base)
+    ref_model, ref_opt = optimized(ref_base)
     assert "prenorm_add_norm" not in cp.routed_modules(ref_model)
     with OpNames() as ops:
         unrouted = _train(ref_model, ref_opt, steps=1)
@@ -89,7 +89,7 @@ def test_routed_trains_as_unrouted(monkeypatch):
 
 @native
 def test_dropout_routed_model_trains():
-    model, opt = _optimized(_vit(dropout=0.1), lr=0.02)
+    model, opt = optimized(_vit(dropout=0.1), lr=0.02)
     torch.manual_seed(0)
     with OpNames() as ops:
         losses = _train(model, opt, steps=1)
@@ -215,17 +215,13 @@ def test_other_code_is_not_routed(monkeypatch):
 
 @native
 def test_detach_restores_and_attach_again():
-    model, _ = _optimized(_vit())
+    model, _ = optimized(_vit())
     detach_restores_and_attach_again(model, _layers(model), cp.routes_prenorm_add_norm, OURS,
                                      lambda m: m(pixel_values=PIXELS).last_hidden_state)
 
 
 def test_emulated_policy_does_not_route():
-    model, opt = _optimized(_vit(), policy="emulated")
-    assert not any("forward" in vars(m) for m in _layers(model))
-    with OpNames() as ops:
-        _train(model, opt, steps=1)
-    assert OURS not in ops.names
+    emulated_does_not_route(_vit(), _layers, lambda m, o: _train(m, o, steps=1), OURS)
 
 
 @native
@@ -235,7 +231,7 @@ def test_gradient_checkpointing_recomputes_the_same_dropout():
         model = _vit(dropout=0.2)
         if checkpointing:
             model.gradient_checkpointing_enable()
-        model, _ = _optimized(model)
+        model, _ = optimized(model)
         torch.manual_seed(5)
         with OpNames() as ops:
             _loss(model).backward()

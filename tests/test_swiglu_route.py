@@ -17,9 +17,14 @@ import warnings
 import pytest
 import torch
 from op_names import OpNames
-from route_checks import assert_trained_alike, detach_restores_and_attach_again, train
+from route_checks import (
+    assert_trained_alike,
+    detach_restores_and_attach_again,
+    emulated_does_not_route,
+    optimized,
+    train,
+)
 
-import ipex_train
 import ipex_train.compute_policy as cp
 
 transformers = pytest.importorskip("transformers")
@@ -56,12 +61,6 @@ def _lora(model):
         return peft.get_peft_model(model, config).train()
 
 
-def _optimized(model, policy="native", lr=0.05):
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return ipex_train.optimize(model, opt, dtype=BF16, bf16_compute=policy)
-
-
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
 
@@ -76,7 +75,7 @@ def _mlps(model):
 def _train_routed_and_unrouted(make, monkeypatch):
     base = make()
     start = copy.deepcopy(base.state_dict())
-    model, opt = _optimized(base)
+    model, opt = optimized(base)
     assert len(_mlps(model)) == LAYERS and all("forward" in vars(m) for m in _mlps(model))
     with OpNames() as ops:
         routed = _train(model, opt, steps=1)
@@ -86,7 +85,7 @@ def _train_routed_and_unrouted(make, monkeypatch):
     ref_base = make()
     ref_base.load_state_dict(start)
     monkeypatch.setattr(cp._swiglu, "routable", lambda module: False)
-    ref_model, ref_opt = _optimized(ref_base)
+    ref_model, ref_opt = optimized(ref_base)
     assert not any("forward" in vars(m) for m in _mlps(ref_model))
     with OpNames() as ops:
         unrouted = _train(ref_model, ref_opt, steps=1)
@@ -213,17 +212,13 @@ def test_listed_classes_have_llamas_forward():
 
 @native
 def test_detach_restores_and_attach_again():
-    model, _ = _optimized(_llama())
+    model, _ = optimized(_llama())
     detach_restores_and_attach_again(model, _mlps(model), cp.routes_swiglu, OURS,
                                      lambda m: m(input_ids=IDS).logits)
 
 
 def test_emulated_policy_does_not_route():
-    model, opt = _optimized(_llama(), policy="emulated")
-    assert not any("forward" in vars(m) for m in _mlps(model))
-    with OpNames() as ops:
-        _train(model, opt, steps=1)
-    assert OURS not in ops.names
+    emulated_does_not_route(_llama(), _mlps, lambda m, o: _train(m, o, steps=1), OURS)
 
 
 @native
