@@ -1,13 +1,19 @@
 """Checks every native-policy module route's tests share: detaching restores the class's forwards and the model's
 output, attaching again routes again, and a pickled routed model runs; the emulated policy routes nothing; the
-optimize() call and the training loop the route tests use."""
+optimize() call, the training loop and the native-policy marker the route tests use."""
 import pickle
 
+import pytest
 import torch
 from op_names import OpNames
 
 import ipex_train
 import ipex_train.compute_policy as cp
+
+# The routes belong to the native bf16 compute policy: their tests skip where this CPU (no AVX-512 BF16) or
+# IPEX_TRAIN_BF16_COMPUTE selects the emulated one.
+native = pytest.mark.skipif(cp.resolve() != "native", reason="the route belongs to the native bf16 compute policy "
+                            "(this CPU or IPEX_TRAIN_BF16_COMPUTE selects the emulated one)")
 
 
 def optimized(model, policy="native", lr=0.05):

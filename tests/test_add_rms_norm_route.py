@@ -17,6 +17,7 @@ from route_checks import (
     assert_trained_alike,
     detach_restores_and_attach_again,
     emulated_does_not_route,
+    native,
     optimized,
     train,
 )
@@ -32,9 +33,6 @@ OURS = "ipex_train.add_rms_norm_forward"
 OURS_BACKWARD = "ipex_train.add_rms_norm_backward"
 LAYERS = 2
 VOCAB, SEQ = 100, 24
-
-native = pytest.mark.skipif(cp.resolve() != "native", reason="the route belongs to the native bf16 compute policy "
-                            "(this CPU or IPEX_TRAIN_BF16_COMPUTE selects the emulated one)")
 
 
 def _config():
@@ -236,3 +234,26 @@ def test_gradient_checkpointing_recomputes_the_routed_forward():
     assert plain.keys() == checkpointed.keys() and len(plain) > 0
     for name, g in plain.items():
         assert torch.equal(checkpointed[name], g), name
+
+
+@native
+@pytest.mark.parametrize("cache_args", ["use_cache", "cache", "neither"])
+def test_checkpointing_leaves_a_dropped_cache_to_the_class(cache_args):
+    # Checkpointing, GradientCheckpointingLayer's wrapper drops use_cache=True or a cache (and warns) before it
+    # checkpoints the class's forward; the routed forward leaves such calls to it: nothing fused, the class's bits, the
+    # cache untouched. Other calls are fused and checkpointed by the routed forward itself.
+    model, layer, x, pe = _layer_and_inputs(torch.float32)
+    model.gradient_checkpointing_enable()
+    x.requires_grad_()
+
+    def kwargs():
+        return {"use_cache": {"use_cache": True}, "cache": {"cache": transformers.DynamicCache(config=model.config)},
+                "neither": {"use_cache": False, "cache": None}}[cache_args]
+
+    ref = layer(x, position_embeddings=pe, **kwargs())
+    routed_kwargs = kwargs()
+    out, fused = _routed_call(layer, x, pe, **routed_kwargs)
+    assert fused == (cache_args == "neither")
+    assert torch.equal(out, ref)
+    if cache_args == "cache":
+        assert routed_kwargs["cache"].get_seq_length() == 0

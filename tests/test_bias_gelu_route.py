@@ -18,6 +18,7 @@ from route_checks import (
     assert_trained_alike,
     detach_restores_and_attach_again,
     emulated_does_not_route,
+    native,
     optimized,
     train,
 )
@@ -32,9 +33,6 @@ BF16 = torch.bfloat16
 OURS = "ipex_train.bias_gelu_forward"
 OURS_BACKWARD = "ipex_train.bias_gelu_backward"
 LAYERS = 2
-
-native = pytest.mark.skipif(cp.resolve() != "native", reason="the route belongs to the native bf16 compute policy "
-                            "(this CPU or IPEX_TRAIN_BF16_COMPUTE selects the emulated one)")
 
 
 def _config(act="gelu"):

@@ -12,6 +12,7 @@ import pickle
 import pytest
 import torch
 from op_names import OpNames
+from route_checks import native
 
 import ipex_train
 import ipex_train.compute_policy as cp
@@ -23,9 +24,6 @@ from transformers.models.llama.modeling_llama import LlamaAttention  # noqa: E40
 BF16 = torch.bfloat16
 OURS = "ipex_train.rope_forward"
 LAYERS = 2
-
-native = pytest.mark.skipif(cp.resolve() != "native", reason="the route belongs to the native bf16 compute policy "
-                            "(this CPU or IPEX_TRAIN_BF16_COMPUTE selects the emulated one)")
 
 
 def _llama(**overrides):

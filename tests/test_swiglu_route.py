@@ -21,6 +21,7 @@ from route_checks import (
     assert_trained_alike,
     detach_restores_and_attach_again,
     emulated_does_not_route,
+    native,
     optimized,
     train,
 )
@@ -35,9 +36,6 @@ OURS = "ipex_train.silu_mul_forward"
 OURS_BACKWARD = "ipex_train.silu_mul_backward"
 LAYERS = 2
 VOCAB, SEQ = 100, 24
-
-native = pytest.mark.skipif(cp.resolve() != "native", reason="the route belongs to the native bf16 compute policy "
-                            "(this CPU or IPEX_TRAIN_BF16_COMPUTE selects the emulated one)")
 
 
 def _config(act="silu"):

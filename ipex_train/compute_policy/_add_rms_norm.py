@@ -11,8 +11,9 @@ fp32 and rounded once, where autograd rounds each and then their sum).
 Which classes: those of :data:`LLAMA_DECODER` whose forward is at run time the very code checked here (its syntax
 tree, docstrings dropped, hashed in :data:`_CHECKED`: transformers 5.24's LlamaDecoderLayer). Calls with extra
 positional arguments, the cache under its former name (``past_key_values``), under autocast, with hooks on the
-post-attention norm or global module hooks, or with a post-attention norm that is not a LlamaRMSNorm-formula module
-(``_rms_norm.LLAMA_FORMULA``, its class's forward or the RMSNorm route's) run the class's own forward.
+post-attention norm or global module hooks, with a post-attention norm that is not a LlamaRMSNorm-formula module
+(``_rms_norm.LLAMA_FORMULA``, its class's forward or the RMSNorm route's), or checkpointed with a cache argument the
+class's checkpointing wrapper would drop (``_swap.drops_cache``) run the class's own forward.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 from .. import rms_norm as _fused
 from . import _rms_norm
 from ._source import digest
-from ._swap import Swap, checkpointing, global_hooks
+from ._swap import Swap, checkpointing, drops_cache, global_hooks
 
 # Classes whose forward was LlamaDecoderLayer's, token for token, in transformers 5.24 and whose post-attention norm
 # is of _rms_norm.LLAMA_FORMULA (many more decoder layers share the forward, over norms of other formulas: those
@@ -78,16 +79,11 @@ def _fusable(self, hidden_states, args, kwargs) -> bool:
             and _norm_fusable(self.post_attention_layernorm))
 
 
-def _cache_in_use(kwargs) -> bool:
-    # What GradientCheckpointingLayer's wrapper rewrites (and warns of) before checkpointing: left to the class.
-    return bool(kwargs.get("use_cache")) or any(kwargs.get(k) is not None for k in ("cache", "layer_past"))
-
-
 def forward(self, hidden_states, *args, **kwargs):
     """The routed forward: the class's computation with the residual add and ``post_attention_layernorm`` fused
     where the kernel takes the tensors; every other call as the class computes it. Under gradient checkpointing,
     checkpointed as the class's forward is."""
-    if not _fusable(self, hidden_states, args, kwargs) or (checkpointing(self) and _cache_in_use(kwargs)):
+    if not _fusable(self, hidden_states, args, kwargs) or (checkpointing(self) and drops_cache(self, kwargs)):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     if checkpointing(self):  # as the class's wrapper: the hidden states positional, the keywords bound
         return self._gradient_checkpointing_func(functools.partial(_compute, self, **kwargs), hidden_states)

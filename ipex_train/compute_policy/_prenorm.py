@@ -28,14 +28,12 @@ import torch
 
 from .. import add_norm as _fused
 from ._source import digest
-from ._swap import Swap, checkpointing, global_hooks, plain
+from ._swap import Swap, checkpointing, drops_cache, global_hooks, plain
 
 # The hash (._source.digest) of transformers 5.24's ViTLayer.forward, which DeiTLayer, ViTMAELayer, ViTMSNLayer,
 # IJepaLayer, ASTLayer and VivitLayer share token for token (Dinov2Layer, with layer scale, does not).
 _CHECKED = "0e2c618c9279fb62"
 _SUBMODULES = ("attention", "layernorm_before", "layernorm_after", "mlp", "dropout")
-# Keywords GradientCheckpointingLayer's wrapper rewrites before checkpointing.
-_CACHE_KWARGS = frozenset({"use_cache", "cache", "layer_past"})
 
 
 @functools.cache
@@ -71,11 +69,11 @@ def forward(self, hidden_states, attention_mask=None, **kwargs):
     """The routed forward: the class's module calls, with the residual add after the attention and
     ``layernorm_after`` fused where the operands are bf16 or fp32 CPU tensors the kernel takes; every other call as
     the class computes it. Under gradient checkpointing, checkpointed as the class's forward is."""
-    if not _fusable(self, hidden_states) or (checkpointing(self) and _CACHE_KWARGS.intersection(kwargs)):
+    if not _fusable(self, hidden_states) or (checkpointing(self) and drops_cache(self, kwargs)):
         return type(self).forward(self, hidden_states, attention_mask, **kwargs)
     if checkpointing(self):
-        # As GradientCheckpointingLayer's wrapper: the tensors positional, the keywords bound (the wrapper's cache
-        # handling is left to the class: calls with a cache argument run its forward, above).
+        # As GradientCheckpointingLayer's wrapper: the tensors positional, the keywords bound (calls whose cache
+        # arguments the wrapper would drop run the class's forward, above).
         return self._gradient_checkpointing_func(functools.partial(_compute, self, **kwargs), hidden_states,
                                                  attention_mask)
     return _compute(self, hidden_states, attention_mask, **kwargs)

@@ -75,3 +75,13 @@ def checkpointing(module: torch.nn.Module) -> bool:
     ``GradientCheckpointingLayer`` wraps the class's forward so, and an instance-level forward replaces that wrapper,
     so a routed forward of such a layer checkpoints itself when this holds."""
     return bool(getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled())
+
+
+def drops_cache(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether ``GradientCheckpointingLayer``'s wrapper, checkpointing this call, would rewrite (and warn of) one of
+    its cache arguments: ``use_cache`` true, or a ``cache`` / ``layer_past`` given to a layer that may not keep it
+    (``_can_checkpoint_with_cache``). A routed forward leaves such calls to the class's forward, which does so."""
+    if kwargs.get("use_cache"):
+        return True
+    return (not getattr(module, "_can_checkpoint_with_cache", False)
+            and any(kwargs.get(k) is not None for k in ("cache", "layer_past")))

@@ -171,8 +171,8 @@ inline void exp_row(const Args& a, const float* sr, float m, uint16_t* pr, float
   }
 }
 
-// Online softmax of row r of the tile at key j0: updates the running max m and sum l, rescales the output row,
-// writes the row's (dropped) probabilities in bf16 for P V.
+// Online softmax of row r of the tile at key j0: updates the running max m and sum l (kLanes partial sums, added
+// at the end), rescales the output row, writes the row's (dropped) probabilities in bf16 for P V.
 inline void online_row(const Args& a, const QueryRows& q, int64_t r, int64_t j0, float* sr, uint16_t* pr, float* m,
                        float* l, float* orow) {
   float part[kLanes];
@@ -190,19 +190,21 @@ inline void online_row(const Args& a, const QueryRows& q, int64_t r, int64_t j0,
   float sums[kLanes] = {};
   if (a.dropout) exp_row<true>(a, sr, m_new, pr, sums, uint32_t(j0), q.key0[r], q.key1[r]);
   else exp_row<false>(a, sr, m_new, pr, sums, uint32_t(j0), 0, 0);
-  float sum = 0.0f;
-  for (int l2 = 0; l2 < kLanes; ++l2) sum += sums[l2];
-  *l = *l * alpha + sum;
+  for (int l2 = 0; l2 < kLanes; ++l2) l[l2] = l[l2] * alpha + sums[l2];
   *m = m_new;
   if (alpha != 1.0f)
     for (int64_t c = 0; c < a.dv; ++c) orow[c] *= alpha;
 }
 
 #ifndef FLASH_DPBF16
-inline void forward_row(const Args& a, const QueryRows& q, int64_t r, int64_t j0, int64_t clo, int64_t chi,
-                        const float* mr, float* sr, uint16_t* pr, float* m, float* l, float* orow) {
-  score_row(a, sr, clo, chi, mr);
-  online_row(a, q, r, j0, sr, pr, m, l, orow);
+// The online softmax of a score tile, row by row (attention_flash_vec.h has the 512-bit one).
+inline void forward_rows(const Args& a, const QueryRows& q, int64_t bi, int64_t h, int64_t j0, float* S, uint16_t* P,
+                         float* m, float* l, float* O) {
+  for (int64_t r = 0; r < q.rows; ++r) {
+    const int64_t clo = max64(q.lo[r] - j0, 0), chi = min64(q.hi[r] - j0, kBN);
+    score_row(a, S + r * kBN, clo, chi, a.mask ? mask_row(a, bi, h, q.i0 + r) + j0 : nullptr);
+    online_row(a, q, r, j0, S + r * kBN, P + r * kBN, &m[r], l + r * kLanes, O + r * a.dv);
+  }
 }
 #endif
 
@@ -213,11 +215,10 @@ void forward_task(const Args& a, int64_t bi, int64_t h, int64_t it, float* scrat
   float* S = scratch;
   auto* P = reinterpret_cast<uint16_t*>(scratch + kBM * kBN);
   float* O = scratch + 2 * kBM * kBN;
-  float m[kBM], l[kBM];
-  for (int64_t r = 0; r < q.rows; ++r) {
-    m[r] = -kInf;
-    l[r] = 0.0f;
-  }
+  // Each row's running sum as kLanes partial sums (one vector with 512-bit rows), added in order at the end.
+  alignas(64) float m[kBM], l[kBM * kLanes];
+  for (int64_t r = 0; r < kBM; ++r) m[r] = -kInf;  // padding rows too: the 512-bit pass reads m 16 rows at a time
+  for (int64_t x = 0; x < kBM * kLanes; ++x) l[x] = 0.0f;
   for (int64_t x = 0; x < q.rows * a.dv; ++x) O[x] = 0.0f;
   const uint16_t* qrow = a.q + ((bi * a.hq + h) * a.s + q.i0) * a.d;
   int64_t jt0, jt1;
@@ -225,20 +226,18 @@ void forward_task(const Args& a, int64_t bi, int64_t h, int64_t it, float* scrat
   for (int64_t jt = jt0; jt < jt1; ++jt) {
     const int64_t j0 = jt * kBN, tile = (bi * a.hk + hk) * ntn + jt;
     product(a, qrow, a.d, q.rows, a.k_d + tile * a.d * kBN, 2 * kBN, kBN, a.d / 2, S, kBN, false);
-    for (int64_t r = 0; r < q.rows; ++r) {
-      const int64_t clo = max64(q.lo[r] - j0, 0), chi = min64(q.hi[r] - j0, kBN);
-      forward_row(a, q, r, j0, clo, chi, a.mask ? mask_row(a, bi, h, q.i0 + r) + j0 : nullptr, S + r * kBN,
-                  P + r * kBN, &m[r], &l[r], O + r * a.dv);
-    }
+    forward_rows(a, q, bi, h, j0, S, P, m, l, O);
     product(a, P, kBN, q.rows, a.v_r + tile * kBN * a.dv, 2 * a.dv, a.dv, kBN / 2, O, a.dv, true);
   }
   for (int64_t r = 0; r < q.rows; ++r) {
     const int64_t row = (bi * a.hq + h) * a.s + q.i0 + r;
     uint16_t* out = a.out + row * a.dv;
-    if (l[r] > 0.0f) {
-      const float inv = 1.0f / l[r];
+    float sum = 0.0f;
+    for (int l2 = 0; l2 < kLanes; ++l2) sum += l[r * kLanes + l2];
+    if (sum > 0.0f) {
+      const float inv = 1.0f / sum;
       for (int64_t c = 0; c < a.dv; ++c) out[c] = f32_to_bf16(O[r * a.dv + c] * inv);
-      a.lse[row] = m[r] + __builtin_logf(l[r]);
+      a.lse[row] = m[r] + __builtin_logf(sum);
     } else {  // no key: zeros, as torch's attention gives; +inf makes the backward's probabilities 0
       for (int64_t c = 0; c < a.dv; ++c) out[c] = 0;
       a.lse[row] = kInf;
