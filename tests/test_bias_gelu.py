@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from op_names import OpNames
 
 from ipex_train.base import ops as _ops
-from ipex_train.bias_gelu import _op, bias_gelu, supports
+from ipex_train.bias_gelu import _op, bias_gelu, gelu_with_bias_grad, supports
 
 BF16, F32 = torch.bfloat16, torch.float32
 OURS = "ipex_train.bias_gelu_forward"
@@ -264,3 +264,94 @@ def test_torch_compile_full_graph():
     eager_x, eager_b = (t.detach().clone().requires_grad_() for t in (x, bias))
     fn(eager_x, eager_b).float().sum().backward()
     assert torch.equal(x.grad, eager_x.grad) and torch.equal(bias.grad, eager_b.grad)
+
+
+# gelu_with_bias_grad: torch's GELU forward on a pre-activation that holds the bias, the kernel's backward (the bias
+# gradient from the same pass). Reference: the float64 one above with a zero bias (the kernel's x + 0 is pre).
+AFTER = "ipex_train.gelu_with_bias_grad"
+
+
+@pytest.mark.parametrize("shape", [(7,), (17, 17), (2, 5, 33), (130, 1001)], ids=str)
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+def test_gelu_with_bias_grad_is_torchs_forward_and_the_kernels_backward(shape, dtype):
+    pre, bias, g = _inputs(shape, dtype)
+    with OpNames() as ops:
+        y = gelu_with_bias_grad(pre, bias)
+        y.backward(g)
+    assert AFTER in ops.names and OURS_BACKWARD in ops.names and OURS not in ops.names
+    assert torch.equal(y, F.gelu(pre.detach()))
+    zero = torch.zeros_like(bias)
+    _, ref_dpre, ref_db = _reference(pre, zero, g)
+    assert _max_err(pre.grad, ref_dpre) <= RTOL[dtype]
+    assert _max_err(bias.grad, ref_db) <= RTOL[dtype]
+    assert bias.grad.dtype == bias.dtype and bias.grad.shape == bias.shape
+
+
+def test_gelu_with_bias_grad_through_a_linear_matches_torch():
+    # The route's use: F.linear with the detached bias, the bias's gradient from the GELU.
+    gen = _gen(3)
+    x = torch.randn(40, 24, generator=gen).to(BF16).requires_grad_()
+    w = (torch.randn(56, 24, generator=gen) * 0.2).to(BF16).requires_grad_()
+    b = torch.randn(56, generator=gen).to(BF16).requires_grad_()
+    g = torch.randn(40, 56, generator=gen).to(BF16)
+    ref = F.gelu(F.linear(x, w, b))
+    ref.backward(g)
+    ref_grads = [t.grad.clone() for t in (x, w, b)]
+    x.grad = w.grad = b.grad = None
+    out = gelu_with_bias_grad(F.linear(x, w, b.detach()), b)
+    out.backward(g)
+    assert torch.equal(out, ref)
+    for ours, theirs in zip((x.grad, w.grad, b.grad), ref_grads):
+        assert _max_err(ours, theirs.double()) <= 2**-7
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=str)
+def test_gelu_with_bias_grad_falls_back_to_torch(dtype):
+    pre, bias, g = _inputs((9, 20), dtype)
+    with OpNames() as ops:
+        y = gelu_with_bias_grad(pre, bias)
+        y.backward(g)
+    assert AFTER not in ops.names and OURS_BACKWARD not in ops.names
+    assert torch.equal(y, F.gelu(pre.detach()))
+    d_pre = torch.ops.aten.gelu_backward(g, pre.detach())
+    assert torch.equal(pre.grad, d_pre)
+    torch.testing.assert_close(bias.grad, d_pre.float().sum(0).to(dtype))
+
+
+def test_gelu_with_bias_grad_only_the_needed_gradient():
+    pre, bias, g = _inputs((5, 30), F32)
+    gelu_with_bias_grad(pre, bias.detach()).backward(g)
+    assert bias.grad is None and pre.grad is not None
+    pre, bias, g = _inputs((5, 30), F32)
+    gelu_with_bias_grad(pre.detach(), bias).backward(g)
+    assert pre.grad is None and bias.grad is not None
+
+
+def test_gelu_with_bias_grad_bad_arguments_name_themselves():
+    pre, bias, _ = _inputs((4, 6), F32)
+    with pytest.raises(TypeError, match="pre must be a tensor"):
+        gelu_with_bias_grad(pre.detach().numpy(), bias)
+    with pytest.raises(ValueError, match=r"bias must be 1-D of pre's last dimension"):
+        gelu_with_bias_grad(pre, bias[:5])
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+def test_gelu_with_bias_grad_opcheck(dtype):
+    pre, bias, _ = _inputs((6, 40), dtype)
+    torch.library.opcheck(torch.ops.ipex_train.gelu_with_bias_grad.default, (pre, bias))
+
+
+def test_gelu_with_bias_grad_compiles_without_graph_break():
+    pre, bias, _ = _inputs((6, 48), BF16)
+
+    def fn(pre, bias):
+        return gelu_with_bias_grad(pre, bias) * 2
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(fn)(pre, bias).graph_break_count == 0
+    out = torch.compile(fn, fullgraph=True)(pre, bias)
+    assert torch.equal(out, fn(pre, bias))
+    out.float().sum().backward()
+    eager_pre, eager_b = (t.detach().clone().requires_grad_() for t in (pre, bias))
+    fn(eager_pre, eager_b).float().sum().backward()
+    assert torch.equal(pre.grad, eager_pre.grad) and torch.equal(bias.grad, eager_b.grad)

@@ -19,8 +19,10 @@ Backward: ``dx = dy * gelu'(pre)`` with torch's gelu_backward formula (``cdf + x
 the bias gradient is the fp32 sum of the unrounded values over fixed 64-row blocks, the blocks added in order: the
 results do not depend on the thread count.
 
-The ``bf16`` native compute policy of ``ipex_train.optimize`` routes Hugging Face BERT-style intermediate blocks
-here (``ipex_train.compute_policy.routes_bias_gelu``; docs/compute_policy.md).
+The ``bf16`` native compute policy of ``ipex_train.optimize`` routes Hugging Face BERT-style intermediate blocks to
+:func:`gelu_with_bias_grad`: the linear with its bias and torch's GELU forward (oneDNN's eltwise kernel, faster on
+Intel CPUs than the one-pass forward), this package's backward with the bias gradient
+(``ipex_train.compute_policy.routes_bias_gelu``; docs/compute_policy.md).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 
 from . import _op
 
-__all__ = ["bias_gelu", "supports"]
+__all__ = ["bias_gelu", "gelu_with_bias_grad", "supports"]
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -42,16 +44,17 @@ def supports(x: torch.Tensor, bias: torch.Tensor) -> bool:
             and bias.shape[0] == x.shape[-1])
 
 
-def _check(x, bias) -> None:
-    for name, t in (("x", x), ("bias", bias)):
+def _check(x, bias, x_name="x") -> None:
+    for name, t in ((x_name, x), ("bias", bias)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if x.dim() < 1:
-        raise ValueError("x must have at least one dimension, got a 0-d tensor")
+        raise ValueError(f"{x_name} must have at least one dimension, got a 0-d tensor")
     if bias.dim() != 1 or bias.shape[0] != x.shape[-1]:
-        raise ValueError(f"bias must be 1-D of x's last dimension ({x.shape[-1]}), got shape {tuple(bias.shape)}")
+        raise ValueError(f"bias must be 1-D of {x_name}'s last dimension ({x.shape[-1]}), got shape "
+                         f"{tuple(bias.shape)}")
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -66,3 +69,36 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     if not supports(x, bias):
         return F.gelu((x + bias).to(x.dtype))
     return _op.forward(x, bias)
+
+
+class _TorchGeluWithBiasGrad(torch.autograd.Function):
+    """gelu_with_bias_grad's semantics in torch ops, for tensors the kernel does not take."""
+
+    @staticmethod
+    def forward(ctx, pre, bias):
+        ctx.save_for_backward(pre)
+        ctx.bias_dtype = bias.dtype
+        return F.gelu(pre)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (pre,) = ctx.saved_tensors
+        d_pre = torch.ops.aten.gelu_backward(grad, pre)
+        d_bias = d_pre.float().sum(dim=tuple(range(d_pre.dim() - 1))).to(ctx.bias_dtype)
+        return d_pre, d_bias
+
+
+def gelu_with_bias_grad(pre: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(pre)`` (exact, erf GELU) where ``pre`` is a GEMM's output with ``bias`` already in it, the GEMM given
+    ``bias.detach()``: ``F.gelu(F.linear(x, w, b.detach()))`` computes as torch's ``F.gelu(F.linear(x, w, b))``
+    forward, bit for bit, and its backward is this package's one pass, which also returns the bias's gradient
+    (``pre``'s gradient summed over all but its last dimension).
+
+    ``pre``: a floating-point tensor ``[..., n]``; ``bias``: a 1-D floating-point tensor of size n (only its gradient
+    is computed here). Where :func:`supports` holds the backward is the fused kernel's (its numerics above), otherwise
+    torch's gelu_backward and a sum. Differentiable in both.
+    """
+    _check(pre, bias, "pre")
+    if not supports(pre, bias):
+        return _TorchGeluWithBiasGrad.apply(pre, bias)
+    return _op.gelu_with_bias_grad(pre, bias)

@@ -40,9 +40,10 @@ Policies
     ``ipex_train.swiglu``, one pass each way, between the projections they still call as modules. Hugging Face
     Llama-family decoder layers (:func:`routes_add_rms_norm`) run their residual add + post-attention RMSNorm as
     ``ipex_train.rms_norm.add_rms_norm``, one pass each way (the forward's bits are the layer's own).
-    BERT-style intermediate blocks over an exact GELU (:func:`routes_bias_gelu`) run their linear without its bias
-    and then bias + GELU as ``ipex_train.bias_gelu``, one pass each way, the backward's also reducing the bias
-    gradient; ViT-style MLPs (``ViTMLP`` and the like) likewise before their ``fc2``.
+    BERT-style intermediate blocks over an exact GELU (:func:`routes_bias_gelu`) keep their forward (the linear
+    with its bias, torch's GELU) and run the GELU's backward and the bias gradient as one pass
+    (``ipex_train.bias_gelu.gelu_with_bias_grad``); ViT-style MLPs (``ViTMLP`` and the like) likewise before their
+    ``fc2``.
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,

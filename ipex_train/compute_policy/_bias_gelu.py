@@ -3,9 +3,11 @@ intermediate blocks (``BertIntermediate`` and every class with its very forward,
 and ViT-style MLPs (``ViTMLP`` and every class with its very forward: ``fc2(activation_fn(fc1(h)))``).
 
 With the up-projection a plain ``nn.Linear`` with a bias and an exact (erf) GELU, the swapped forward (:mod:`._swap`,
-on the instance; the class is untouched) computes ``F.linear(h, weight)`` without the bias (under the native policy
-a plain bf16 GEMM, as the layer would run with its bias in it) and then the bias add and the GELU as one fused op,
-whose backward also reduces the bias gradient; a ViT-style MLP then calls ``fc2`` as a module. Since it skips calling
+on the instance; the class is untouched) computes ``F.linear(h, weight, bias.detach())`` and torch's GELU, the
+class's forward bit for bit, through ``ipex_train.bias_gelu.gelu_with_bias_grad``, whose backward is one pass that
+also returns the bias gradient (torch: gelu_backward, then a sum over the rows); a ViT-style MLP then calls ``fc2``
+as a module. The bias stays in the GEMM because torch's GELU forward (oneDNN's eltwise kernel) beats the one-pass
+bias + GELU kernel on Intel CPUs (docs/compute_policy.md). Since it skips calling
 the up-projection and the activation as modules, any call with hooks on them, global module hooks, autocast,
 another layer type or operands of other dtypes runs the class's own forward.
 
@@ -78,7 +80,7 @@ def routable(module: torch.nn.Module) -> bool:
 
 
 def _fusable(linear, act, x) -> bool:
-    """Whether this call computes as the class does with the bias moved out of the GEMM: the submodules as at
+    """Whether this call computes as the class does with the bias's gradient taken from the GELU: the submodules as at
     routing, without hooks (but optimize()'s input cast on the linear), no autocast (which would run the GEMM in its
     dtype), and x (as the linear would receive it), the weight and the bias CPU tensors of one dtype the kernel takes
     (F.linear with its bias would accept them, and its bf16 or fp32 output is what the kernel reads)."""
@@ -91,14 +93,14 @@ def _fusable(linear, act, x) -> bool:
 
 
 def forward(self, hidden_states):
-    """The routed forward: the up-projection's GEMM without its bias, then bias + GELU fused (then a ViT-style MLP's
-    ``fc2`` as a module); every other call as the class computes it."""
+    """The routed forward: the up-projection and torch's GELU, the bias's gradient from the GELU's one-pass backward
+    (then a ViT-style MLP's ``fc2`` as a module); every other call as the class computes it."""
     up, act, down = _shape(type(self))
     linear = getattr(self, up)
     x = cast_as_pre_hooks(linear, hidden_states) if isinstance(hidden_states, torch.Tensor) else hidden_states
     if not _fusable(linear, getattr(self, act), x):
         return type(self).forward(self, hidden_states)
-    h = _fused.bias_gelu(F.linear(x, linear.weight), linear.bias)
+    h = _fused.gelu_with_bias_grad(F.linear(x, linear.weight, linear.bias.detach()), linear.bias)
     return h if down is None else getattr(self, down)(h)
 
 

@@ -58,13 +58,13 @@ def routes_swiglu(module: torch.nn.Module) -> bool:
 
 
 def routes_bias_gelu(module: torch.nn.Module) -> bool:
-    """Whether the native policy runs ``module``'s up-projection + GELU as a bias-free GEMM and
-    ``ipex_train.bias_gelu`` (bias + exact GELU in one pass each way, the bias gradient reduced in the backward's
-    pass): a Hugging Face block whose class's forward is BertIntermediate's (BERT, RoBERTa, ELECTRA and ~50 more) or
-    ViTMLP's (ViT, DeiT, BEiT, Dinov2 and ~80 more), checked against transformers 5.24's code, over a plain
-    ``nn.Linear`` with a bias and an exact (erf) GELU, whose forward is not already replaced on the instance. Calls
-    the kernel cannot compute as the class does (hooks on the linear or the activation, autocast, other dtypes) run
-    the class's forward."""
+    """Whether the native policy runs ``module``'s up-projection + GELU through
+    ``ipex_train.bias_gelu.gelu_with_bias_grad`` (the class's forward, bit for bit; the GELU's backward and the bias
+    gradient in one pass): a Hugging Face block whose class's forward is BertIntermediate's (BERT, RoBERTa, ELECTRA
+    and ~50 more) or ViTMLP's (ViT, DeiT, BEiT, Dinov2 and ~80 more), checked against transformers 5.24's code, over
+    a plain ``nn.Linear`` with a bias and an exact (erf) GELU, whose forward is not already replaced on the instance.
+    Calls the kernel cannot compute as the class does (hooks on the linear or the activation, autocast, other dtypes)
+    run the class's forward."""
     return _bias_gelu.routable(module)
 
 
