@@ -487,3 +487,35 @@ def test_mode_looks_inside_only_composites_that_can_reach_an_emulated_op():
     assert {F.dropout, F.layer_norm, F.batch_norm, F.relu, F.gelu} & reaching == set()
     assert F.multi_head_attention_forward in _mode._TRANSPARENT
     assert set(_mode._TRANSPARENT) <= reaching
+
+
+def test_drops_cache_is_what_the_checkpointing_wrapper_drops():
+    # The routed forwards of GradientCheckpointingLayers leave to the class's forward the calls whose cache arguments
+    # its checkpointing wrapper rewrites: _swap.drops_cache must say exactly which, for layers that may keep a cache
+    # and those that may not.
+    pytest.importorskip("transformers")
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from ipex_train.compute_policy._swap import drops_cache
+
+    class Layer(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x, **kwargs):
+            self.seen = dict(kwargs)
+            return self.lin(x)
+
+    layer = Layer().train()
+    layer.gradient_checkpointing = True
+    layer._gradient_checkpointing_func = lambda fn, *args: fn(*args)  # only the keywords it passes matter here
+    x = torch.randn(1, 2, requires_grad=True)
+    cache = object()
+    calls = ({}, {"use_cache": False}, {"use_cache": True}, {"cache": None}, {"cache": cache}, {"layer_past": cache},
+             {"use_cache": False, "cache": cache}, {"use_cache": None, "layer_past": None}, {"past_key_values": cache})
+    for can_keep in (False, True):
+        layer._can_checkpoint_with_cache = can_keep
+        for kwargs in calls:
+            layer(x, **kwargs)
+            assert drops_cache(layer, kwargs) == (layer.seen != kwargs), (can_keep, kwargs)
