@@ -337,7 +337,10 @@ def test_gelu_with_bias_grad_bad_arguments_name_themselves():
         gelu_with_bias_grad(pre, bias[:5])
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided"])
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
-def test_gelu_with_bias_grad_opcheck(dtype):
-    pre, bias, _ = _inputs((6, 40), dtype)
-    torch.library.opcheck(torch.ops.ipex_train.gelu_with_bias_grad.default, (pre, bias))
+def test_gelu_with_bias_grad_opcheck(dtype, layout):
+    pre, _, _ = _inputs((6, 40) if layout != "transposed" else (40, 6), dtype)
+    pre = {"contiguous": pre, "transposed": pre.detach().t(), "strided": pre.detach()[:, ::2]}[layout]
+    bias = torch.randn(pre.shape[-1], generator=_gen(5)).to(dtype).requires_grad_()
+    torch.library.opcheck(torch.ops.ipex_train.gelu_with_bias_grad.default, (pre.requires_grad_(), bias))
