@@ -239,3 +239,30 @@ def test_op_rejects_bad_inputs():
         torch.ops.ipex_train.attention_forward(q, k, v, None, 1.0, False, 1.0, seed)
     with pytest.raises(ValueError, match="seed"):
         torch.ops.ipex_train.attention_forward(q, k, v, None, 0.0, False, 1.0, torch.zeros(2))
+
+
+@pytest.mark.parametrize("s", [40, 1100], ids=["rows", "tiles"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("where", ["query", "key", "value"])
+def test_a_nan_input_is_never_hidden(where, causal, s):
+    # Never a silently finite result: a NaN in one element of a query, key or value makes the output NaN exactly where
+    # fp32 torch attention's is; each gradient has NaNs where torch's has them and nowhere else (torch's blocks may
+    # spread a NaN over more masked keys than the tiles do).
+    g0 = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(1, 2, s, 32, generator=g0).to(BF16) for _ in range(3)]
+    if not attention.supports(*qkv, is_causal=causal):
+        pytest.skip("torch's attention computes this call here (the tiled kernel runs with AVX-512 BF16 only)")
+    qkv[("query", "key", "value").index(where)][0, 0, s // 2, 3] = float("nan")
+    g = torch.randn(1, 2, s, 32, generator=g0)
+
+    def nans(fn, dtype):
+        q, k, v = (x.to(dtype).detach().requires_grad_() for x in qkv)
+        out = fn(q, k, v, is_causal=causal)
+        out.backward(g.to(dtype))
+        return [t.isnan() for t in (out.detach(), q.grad, k.grad, v.grad)]
+
+    ours, theirs = nans(attention.scaled_dot_product_attention, BF16), nans(F.scaled_dot_product_attention,
+                                                                            torch.float32)
+    assert ours[0].any() and torch.equal(ours[0], theirs[0])
+    for got, want in zip(ours[1:], theirs[1:]):
+        assert got.any() == want.any() and not (got & ~want).any()

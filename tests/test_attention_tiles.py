@@ -194,6 +194,21 @@ def test_portable_build_agrees(variant):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
+def test_a_nan_query_or_key_is_never_hidden(variant):
+    # Every kernel build (the scalar and AVX2 variants run the portable tiles): a NaN in one query element makes that
+    # row's output NaN, one in a key element every row reaching that key, exactly as in fp32 torch attention; each
+    # gradient has NaNs where torch's has them and nowhere else (torch spreads them over more masked keys).
+    q, k, v = _qkv(1, 2, 2, 130, 130, 32)
+    q[0, 0, 70, 3] = float("nan")
+    k[0, 1, 100, 5] = float("nan")
+    g = torch.randn(1, 2, 130, 32)
+    got = _grads(lambda q, k, v: _flash(q, k, v, causal=True), q, k, v, g)
+    want = _reference(q, k, v, g, is_causal=True)
+    assert torch.equal(got[0].isnan(), want[0].isnan()) and got[0].isnan().any()
+    for a, b in zip(got[1:], want[1:]):
+        assert a.isnan().any() == b.isnan().any() and not (a.isnan() & ~b.isnan()).any()
+
+
 def test_onednn_products_run_here():
     # Where AVX-512 BF16 is (this module's condition), oneDNN's micro-kernel passes its exactness check: a failed
     # check would leave the default on the tiles' own products and the parametrization above on those only.

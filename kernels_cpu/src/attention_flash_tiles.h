@@ -49,11 +49,12 @@ inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 inline float maxf(float a, float b) { return a > b ? a : b; }
 
-// e^x, relative error ~2e-7 for x in [-88, 88]; 0 for x = -inf (and NaN). 2^t = 2^n 2^f, n = round(t), |f| <= 1/2.
+// e^x, relative error ~2e-7 for x in [-88, 88]; 0 for x = -inf, NaN for NaN (a NaN score's row: a NaN log-sum-exp).
+// 2^t = 2^n 2^f, n = round(t), |f| <= 1/2.
 inline float fexp(float x) {
   float t = x * 1.44269504088896341f;
-  t = t > -127.0f ? t : -127.0f;
-  t = t < 127.0f ? t : 127.0f;
+  t = t < -127.0f ? -127.0f : t;  // NaN passes both clamps
+  t = t > 127.0f ? 127.0f : t;
   const float shifted = t + 12582912.0f;  // 1.5 * 2^23: the low mantissa bits hold round(t)
   const float n = shifted - 12582912.0f;
   const float f = (t - n) * 0.693147180559945309f;
@@ -176,13 +177,19 @@ inline void exp_row(const Args& a, const float* sr, float m, uint16_t* pr, float
 inline void online_row(const Args& a, const QueryRows& q, int64_t r, int64_t j0, float* sr, uint16_t* pr, float* m,
                        float* l, float* orow) {
   float part[kLanes];
+  bool nan = *m != *m;
   for (int l2 = 0; l2 < kLanes; ++l2) part[l2] = -kInf;
-  for (int64_t c0 = 0; c0 < kBN; c0 += kLanes)
-    for (int l2 = 0; l2 < kLanes; ++l2) part[l2] = maxf(part[l2], sr[c0 + l2]);
+  for (int64_t c0 = 0; c0 < kBN; c0 += kLanes) {
+    for (int l2 = 0; l2 < kLanes; ++l2) {
+      part[l2] = maxf(part[l2], sr[c0 + l2]);
+      nan |= sr[c0 + l2] != sr[c0 + l2];
+    }
+  }
   float mx = -kInf;
   for (int l2 = 0; l2 < kLanes; ++l2) mx = maxf(mx, part[l2]);
-  const float m_new = maxf(*m, mx);
-  if (!(m_new > -kInf)) {  // no key yet
+  const float m_new = nan ? __builtin_nanf("") : maxf(*m, mx);  // a NaN score makes the row's max NaN for good
+  if (!(m_new > -kInf)) {  // no key yet (or a NaN score: the row's output is NaN, written at the end)
+    *m = m_new;
     for (int64_t c = 0; c < kBN; ++c) pr[c] = 0;
     return;
   }
@@ -234,7 +241,10 @@ void forward_task(const Args& a, int64_t bi, int64_t h, int64_t it, float* scrat
     uint16_t* out = a.out + row * a.dv;
     float sum = 0.0f;
     for (int l2 = 0; l2 < kLanes; ++l2) sum += l[r * kLanes + l2];
-    if (sum > 0.0f) {
+    if (m[r] != m[r]) {  // a NaN score: NaN out, as torch's attention gives, and a NaN log-sum-exp for the backward
+      for (int64_t c = 0; c < a.dv; ++c) out[c] = 0x7FC0;
+      a.lse[row] = __builtin_nanf("");
+    } else if (sum > 0.0f) {
       const float inv = 1.0f / sum;
       for (int64_t c = 0; c < a.dv; ++c) out[c] = f32_to_bf16(O[r * a.dv + c] * inv);
       a.lse[row] = m[r] + __builtin_logf(sum);

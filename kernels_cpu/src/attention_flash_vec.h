@@ -5,8 +5,8 @@
 // ---- 512-bit row passes (the compiler left the portable ones partly scalar) -------------------------------------
 inline __m512 vexp(__m512 x) {  // fexp on 16 lanes (fused multiply-adds: not the portable build's bits)
   __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  t = _mm512_max_ps(t, _mm512_set1_ps(-127.0f));  // NaN -> -127 (max returns its second operand)
-  t = _mm512_min_ps(t, _mm512_set1_ps(127.0f));
+  t = _mm512_max_ps(_mm512_set1_ps(-127.0f), t);  // NaN stays NaN (max and min return their second operand)
+  t = _mm512_min_ps(_mm512_set1_ps(127.0f), t);
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   const __m512 shifted = _mm512_add_ps(t, magic);
   const __m512 n = _mm512_sub_ps(shifted, magic);
@@ -77,22 +77,29 @@ inline void forward_rows(const Args& a, const QueryRows& q, int64_t bi, int64_t 
     __m512 x[kBN / 16];
     score_vectors(a, S + r * kBN, clo, chi, a.mask ? mask_row(a, bi, h, q.i0 + r) + j0 : nullptr, x);
     __m512 mx = x[0];
+    __mmask16 nan = 0;
     for (int v = 1; v < kBN / 16; ++v) mx = _mm512_max_ps(mx, x[v]);
-    for (int v = 0; v < kBN / 16; ++v) _mm512_storeu_ps(S + r * kBN + 16 * v, x[v]);
-    row_max[r] = _mm512_reduce_max_ps(mx);
+    for (int v = 0; v < kBN / 16; ++v) {
+      _mm512_storeu_ps(S + r * kBN + 16 * v, x[v]);
+      nan |= _mm512_cmp_ps_mask(x[v], x[v], _CMP_UNORD_Q);
+    }
+    row_max[r] = nan ? __builtin_nanf("") : _mm512_reduce_max_ps(mx);
   }
   const __m512 ninf = _mm512_set1_ps(-kInf), one = _mm512_set1_ps(1.0f);
   for (int64_t r0 = 0; r0 < kBM; r0 += 16) {
     const __m512 m_old = _mm512_loadu_ps(m + r0);
-    const __m512 m_new = _mm512_max_ps(m_old, _mm512_loadu_ps(row_max + r0));  // maxf(m_old, row max)
-    const __mmask16 reached = _mm512_cmp_ps_mask(m_new, ninf, _CMP_GT_OQ);  // rows with a key so far
+    const __m512 rm = _mm512_loadu_ps(row_max + r0);
+    // maxf(m_old, row max), NaN where either is: a NaN score makes the row's max NaN for good (its output is NaN)
+    const __mmask16 nan = _mm512_cmp_ps_mask(m_old, rm, _CMP_UNORD_Q);
+    const __m512 m_new = _mm512_mask_blend_ps(nan, _mm512_max_ps(m_old, rm), _mm512_set1_ps(__builtin_nanf("")));
+    const __mmask16 reached = _mm512_cmp_ps_mask(m_new, ninf, _CMP_GT_OQ);  // rows with a key so far (not NaN)
     _mm512_storeu_ps(alpha + r0, _mm512_mask_blend_ps(reached, one, vexp(_mm512_sub_ps(m_old, m_new))));
     _mm512_storeu_ps(m + r0, m_new);
   }
   for (int64_t r = 0; r < q.rows; ++r) {
     const float* sr = S + r * kBN;
     uint16_t* pr = P + r * kBN;
-    if (!(m[r] > -kInf)) {  // no key yet
+    if (!(m[r] > -kInf)) {  // no key yet, or a NaN score (the row's output is NaN, written at the end)
       for (int v = 0; v < kBN / 16; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * v),
                                                                _mm256_setzero_si256());
       continue;

@@ -89,7 +89,7 @@ ITR_FN float lane_max(F v) {
 #ifdef ITR_SIMD_BYTES
   if constexpr (!std::is_same<F, float>::value) {
     float m = v.v[0];
-    for (int64_t l = 1; l < kWidth; ++l) m = v.v[l] > m ? v.v[l] : m;
+    for (int64_t l = 1; l < kWidth; ++l) m = (v.v[l] > m || v.v[l] != v.v[l]) ? v.v[l] : m;  // NaN sticks
     return m;
   } else
 #endif
@@ -136,7 +136,10 @@ struct Acc {
 };
 struct Max {
   template <class F>
-  static inline __attribute__((always_inline)) F op(F a, F b) { return math::select(a > b, a, b); }
+  // NaN sticks (as torch's max): a NaN accumulator stays, a NaN operand wins.
+  static inline __attribute__((always_inline)) F op(F a, F b) {
+    return math::select(a != a, a, math::select(a > b, a, b));
+  }
   template <class F>
   static inline __attribute__((always_inline)) float lanes(F v) { return lane_max(v); }
 };
@@ -171,6 +174,13 @@ void softmax_row_impl(const SoftmaxRow& r) {
   });
   const float m = mx.total();
   const bool dropout = r.p_drop != nullptr;
+  if (m != m) {  // a NaN score: NaN probabilities over the row's keys, as torch's attention gives (never hidden)
+    for (int64_t j = 0; j < r.n; ++j) {
+      r.p[j] = j < valid ? 0x7FC0 : 0;
+      if (dropout) r.p_drop[j] = r.p[j];
+    }
+    return;
+  }
   if (!(m > -__builtin_inff())) {  // every column masked (or no columns): zeros, as torch's attention gives
     columns(r.n, [&](auto a, int64_t j) {
       using A = decltype(a);
