@@ -241,7 +241,8 @@ void forward_task(const Args& a, int64_t bi, int64_t h, int64_t it, float* scrat
     uint16_t* out = a.out + row * a.dv;
     float sum = 0.0f;
     for (int l2 = 0; l2 < kLanes; ++l2) sum += l[r * kLanes + l2];
-    if (m[r] != m[r]) {  // a NaN score: NaN out, as torch's attention gives, and a NaN log-sum-exp for the backward
+    if (m[r] != m[r] || sum != sum) {  // a NaN score, or inf - inf from an infinite one: NaN out, as torch's
+                                       // attention gives, and a NaN log-sum-exp for the backward
       for (int64_t c = 0; c < a.dv; ++c) out[c] = 0x7FC0;
       a.lse[row] = __builtin_nanf("");
     } else if (sum > 0.0f) {
