@@ -344,3 +344,13 @@ def test_gelu_with_bias_grad_opcheck(dtype, layout):
     pre = {"contiguous": pre, "transposed": pre.detach().t(), "strided": pre.detach()[:, ::2]}[layout]
     bias = torch.randn(pre.shape[-1], generator=_gen(5)).to(dtype).requires_grad_()
     torch.library.opcheck(torch.ops.ipex_train.gelu_with_bias_grad.default, (pre.requires_grad_(), bias))
+
+
+def test_gelu_with_bias_grad_without_a_backward_is_torchs_gelu():
+    # Under no_grad, or with neither input requiring grad, there is no backward to fuse: torch's GELU, and no custom op
+    # in what torch.export or AOTInductor would trace.
+    pre, bias, _ = _inputs((5, 24), BF16)
+    for ctx, args in ((torch.no_grad(), (pre, bias)), (torch.enable_grad(), (pre.detach(), bias.detach()))):
+        with ctx, OpNames() as ops:
+            y = gelu_with_bias_grad(*args)
+        assert AFTER not in ops.names and torch.equal(y, F.gelu(pre.detach()))

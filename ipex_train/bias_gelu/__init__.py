@@ -99,6 +99,8 @@ def gelu_with_bias_grad(pre: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     torch's gelu_backward and a sum. Differentiable in both.
     """
     _check(pre, bias, "pre")
+    if not (torch.is_grad_enabled() and (pre.requires_grad or bias.requires_grad)):
+        return F.gelu(pre)  # no backward to fuse: torch's forward, which the op computes anyway (and export sees)
     if not supports(pre, bias):
         return _TorchGeluWithBiasGrad.apply(pre, bias)
     return _op.gelu_with_bias_grad(pre, bias)
