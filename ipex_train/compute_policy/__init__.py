@@ -34,6 +34,8 @@ Policies
     layers (:func:`routes_rope`) rotate their query and key by ``ipex_train.rope``, one pass each way that writes
     the attention's contiguous layout. Patch embeddings (a plain ``nn.Conv2d``
     whose stride equals its kernel, :func:`routes_patch_embedding`) run as one bf16 GEMM over the unfolded patches.
+    ``nn.MultiheadAttention`` self-attention calls (:func:`routes_multihead_attention`) run on the batch-first layout
+    through ``ipex_train.attention``, without torch's transposes, copies and split selects around the attention.
     peft ``lora.Linear`` layers (:func:`routes_lora`) run plain LoRA calls through ``ipex_train.lora``, one
     autograd node that sums the adapter's product into the base output in the matmul; any other call runs peft's own
     forward. Hugging Face Llama-family MLPs over SiLU (:func:`routes_swiglu`) run ``silu(gate) * up`` as
@@ -117,6 +119,7 @@ from ._routes import (
     routes_add_rms_norm,
     routes_bias_gelu,
     routes_lora,
+    routes_multihead_attention,
     routes_patch_embedding,
     routes_prenorm_add_norm,
     routes_rms_norm,
@@ -134,6 +137,7 @@ __all__ = [
     "slow_bf16_depthwise",
     "calls_attention",
     "routes_patch_embedding",
+    "routes_multihead_attention",
     "routes_rms_norm",
     "routes_add_norm",
     "routes_add_rms_norm",
@@ -275,9 +279,7 @@ class ComputePolicyHandle:
     def active(self) -> bool:
         """True while the hooks are registered ("native" registers them only on its fp32 depthwise convs, in
         models that call attention (:func:`calls_attention`) to route it to ``ipex_train.attention``, and on the
-        modules it routes (:func:`routes_rms_norm`, :func:`routes_add_norm`, :func:`routes_prenorm_add_norm`,
-        :func:`routes_add_rms_norm`, :func:`routes_rope`, :func:`routes_swiglu`, :func:`routes_bias_gelu`,
-        :func:`routes_lora`, :func:`routes_patch_embedding`))."""
+        modules its routes take: the ``routes_*`` predicates, counted by :func:`routed_modules`)."""
         return bool(self._hooks)
 
     def remove(self) -> None:
@@ -354,14 +356,9 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
     blocks in backward); the backward of the graph built there is emulated too. "native" enters it
     only around the depthwise convs of :func:`slow_bf16_depthwise`, and, in models that call attention
     (:func:`calls_attention`), routes ``F.scaled_dot_product_attention`` to ``ipex_train.attention`` over the same
-    scope as "emulated"; it also runs the Hugging Face RMSNorm modules of :func:`routes_rms_norm` through
-    ``ipex_train.rms_norm``, the post-norm output blocks of :func:`routes_add_norm` and the pre-norm layers of
-    :func:`routes_prenorm_add_norm` through ``ipex_train.add_norm``,
-    the peft LoRA layers of :func:`routes_lora` through ``ipex_train.lora``, the Llama-family MLPs of
-    :func:`routes_swiglu` through ``ipex_train.swiglu``, the BERT-style intermediate blocks and ViT-style MLPs
-    of :func:`routes_bias_gelu` through ``ipex_train.bias_gelu`` and the patch
-    embeddings of :func:`routes_patch_embedding` as one GEMM (instance-level forwards, removed on detach). Attaching
-    again returns the existing handle for the same policy, or replaces a different one.
+    scope as "emulated"; it also swaps in a routed forward on every module one of its routes takes (the
+    ``routes_*`` predicates, each naming the kernel it calls; instance-level forwards, removed on detach).
+    Attaching again returns the existing handle for the same policy, or replaces a different one.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not one of {', '.join(POLICIES)} (use resolve() to pick one)")
@@ -390,8 +387,8 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
         for module in (scoped if calls_attention(model) else ()):
             hooks.append(module.register_forward_pre_hook(_enter_attention_hook))
             hooks.append(module.register_forward_hook(_leave_attention_hook, always_call=True))
-        # Module routes (RMSNorm, post-norm add + LayerNorm, patch embeddings, LoRA): instance-level forwards,
-        # deleted again by the handle's remove() (docs/compute_policy.md).
+        # Module routes (RMSNorm, add + norms, patch embeddings, MultiheadAttention, LoRA, ...): instance-level
+        # forwards, deleted again by the handle's remove() (docs/compute_policy.md).
         hooks.extend(_routes.swap_all(model))
     else:
         for module in scoped:

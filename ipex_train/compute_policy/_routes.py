@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _add_norm, _add_rms_norm, _bias_gelu, _lora, _patch_embed, _prenorm, _rms_norm, _rope, _swiglu
+from . import _add_norm, _add_rms_norm, _bias_gelu, _lora, _mha, _patch_embed, _prenorm, _rms_norm, _rope, _swiglu
 
 
 def routes_rms_norm(module: torch.nn.Module) -> bool:
@@ -75,6 +75,15 @@ def routes_patch_embedding(module: torch.nn.Module) -> bool:
     return _patch_embed.routable(module)
 
 
+def routes_multihead_attention(module: torch.nn.Module) -> bool:
+    """Whether the native policy runs ``module``'s self-attention calls through ``ipex_train.attention`` on the
+    batch-first layout (no transposes, copies or split selects around it): an ``nn.MultiheadAttention`` with its
+    class's forward, one packed input projection, no ``bias_k``/``bias_v`` and no ``add_zero_attn``, not already
+    replaced on the instance. Other calls (cross-attention, ``need_weights``, masks other than a key padding mask or
+    the causal hint, autocast, no grad) run the class's forward."""
+    return _mha.routable(module)
+
+
 def routes_lora(module: torch.nn.Module) -> bool:
     """Whether the native policy routes ``module``'s calls to ``ipex_train.lora``: a peft ``lora.Linear`` over a plain
     ``nn.Linear`` whose forward is not already replaced on the instance. Each call still takes the fused path only
@@ -87,7 +96,8 @@ def routes_lora(module: torch.nn.Module) -> bool:
 # ops, one fused pass per row here; post-norm blocks: dropout + residual add + LayerNorm in one pass each way;
 # pre-norm (ViT) layers: the same after the attention, the sum passed on as the residual stream;
 # Llama-family rotary embeddings in one pass that writes the attention's layout; patch embeddings (stride == kernel)
-# as one GEMM over the unfolded patches; peft LoRA: the adapter's product summed into the base output by the matmul;
+# as one GEMM over the unfolded patches; nn.MultiheadAttention self-attention on the batch-first layout, without
+# torch's transposes and split copies; peft LoRA: the adapter's product summed into the base output by the matmul;
 # Llama-family MLPs: silu(gate) * up in one pass each way; Llama-family decoder layers: the residual add and the
 # post-attention RMSNorm in one pass each way; BERT-style intermediate blocks: bias + GELU in one pass each way, the
 # bias gradient reduced in the backward's pass (and ViT-style MLPs' first half likewise).
@@ -97,6 +107,7 @@ ROUTES = (
     (routes_prenorm_add_norm, _prenorm.swap),
     (routes_rope, _rope.swap),
     (routes_patch_embedding, _patch_embed.swap),
+    (routes_multihead_attention, _mha.swap),
     (routes_lora, _lora.swap),
     (routes_swiglu, _swiglu.swap),
     (routes_add_rms_norm, _add_rms_norm.swap),
@@ -112,6 +123,7 @@ ROUTED_FORWARDS = (
     ("swiglu", _swiglu.forward),
     ("rope", _rope.forward),
     ("patch_embedding", _patch_embed.forward),
+    ("multihead_attention", _mha.forward),
     ("lora", _lora.forward),
     ("add_rms_norm", _add_rms_norm.forward),
     ("bias_gelu", _bias_gelu.forward),

@@ -60,8 +60,8 @@ class OptimizeSummary:
     ("skip", "raise", or None when off); nonfinite_skipped_steps / nonfinite_skipped_parameters: the steps it
     skipped (and, with step_in_backward, the parameter steps). routed_modules: under the native policy, (route,
     modules) for each module route that runs some of the model's modules through a kernel of ours
-    (:func:`ipex_train.compute_policy.routed_modules`: RMSNorm, add + LayerNorm, SwiGLU, rotary embedding, patch
-    embedding, LoRA).
+    (:func:`ipex_train.compute_policy.routed_modules`: RMSNorm, add + norms, SwiGLU, rotary embedding, patch
+    embedding, MultiheadAttention, bias + GELU, LoRA).
     """
 
     mode: str
