@@ -297,3 +297,45 @@ def test_opcheck():
     args = (torch.randn(out.shape).to(BF16), q.detach(), k.detach(), v.detach(), out.detach(), lse, None, None, 0.1,
             False, 0.125, seed)
     torch.library.opcheck(torch.ops.ipex_train.attention_flash_backward.default, args)
+
+
+def test_the_kept_dq_shares_never_leak_into_another_call():
+    # A large backward leaves the kept buffer full of its dQ shares; a smaller causal one (whose early query tiles
+    # get no share from the later key chunks) reusing it must give the bits of a fresh buffer.
+    big = _qkv(2, 4, 2, 700, 700, 64, seed=1)
+    _grads(lambda q, k, v: _flash(q, k, v), *big, torch.randn(2, 4, 700, 64))
+    assert attention.workspace_bytes() >= 4 * 2 * 4 * 700 * 64 * 4
+    small = _qkv(1, 4, 2, 300, 300, 64, seed=2)
+    g = torch.randn(1, 4, 300, 64)
+    reused = _grads(lambda q, k, v: _flash(q, k, v, causal=True), *small, g)
+    assert attention.workspace_bytes(release=True) == 0
+    assert attention.workspace_bytes() == 0
+    fresh = _grads(lambda q, k, v: _flash(q, k, v, causal=True), *small, g)
+    assert all(torch.equal(a, b) for a, b in zip(reused, fresh))
+    assert attention.workspace_bytes() > 0
+    with pytest.raises(TypeError, match="release"):
+        attention.workspace_bytes(release=1)
+
+
+def test_concurrent_backwards_give_the_sequential_bits():
+    # One backward holds the kept buffer; one running at the same time in another thread allocates its own.
+    import threading
+
+    cases = [(_qkv(1, 4, 2, 400 + 100 * i, 400 + 100 * i, 64, seed=i), torch.randn(1, 4, 400 + 100 * i, 64))
+             for i in range(4)]
+    want = [_grads(lambda q, k, v: _flash(q, k, v, causal=True), *qkv, g) for qkv, g in cases]
+    got = [None] * len(cases)
+
+    def run(i):
+        qkv, g = cases[i]
+        for _ in range(3):
+            got[i] = _grads(lambda q, k, v: _flash(q, k, v, causal=True), *qkv, g)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    for a, b in zip(got, want):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

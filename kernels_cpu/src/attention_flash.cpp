@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <vector>
 
 #include "attention_flash.h"
@@ -186,6 +187,43 @@ at::Tensor pack_transposed(const at::Tensor& src, int64_t tile) {
 constexpr int64_t kChunks = 4;
 int64_t chunk_tiles(int64_t key_tiles) { return (key_tiles + kChunks - 1) / kChunks; }
 
+// The backward's fp32 dQ shares, kept between calls. Allocated per call, a buffer of that size (4x dQ in fp32, 32 MiB
+// at b1 h16 s2048 d64) came from mmap and went back at free, and the kernel's zeroing of its fresh pages cost ~15%
+// of such a backward's CPU time (perf stat, 2-core AMX VM). Grow-only up to kSharesCapFloats; a call that needs more,
+// or finds it in use by another thread's backward, allocates its own. Never destroyed (no allocator calls at exit);
+// attention_workspace(release=True) frees it.
+constexpr int64_t kSharesCapFloats = int64_t{64} << 20;  // 256 MiB
+std::mutex shares_mutex;
+at::Tensor& shares_buffer() {
+  static at::Tensor* buffer = new at::Tensor();
+  return *buffer;
+}
+
+// At least n floats for the dQ shares: the kept buffer (locked by `lease` until the caller's scope ends) or a new one.
+at::Tensor dq_shares(int64_t n, std::unique_lock<std::mutex>& lease) {
+  if (n <= kSharesCapFloats) {
+    std::unique_lock<std::mutex> lock(shares_mutex, std::try_to_lock);
+    if (lock.owns_lock()) {
+      at::Tensor& kept = shares_buffer();
+      if (!kept.defined() || kept.numel() < n) {
+        kept = at::Tensor();  // free the smaller one first
+        kept = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+      }
+      lease = std::move(lock);
+      return kept;
+    }
+  }
+  return at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+}
+
+// Bytes the kept dQ-share buffer holds, after freeing it when `release`.
+int64_t attention_workspace(bool release) {
+  std::lock_guard<std::mutex> lock(shares_mutex);
+  at::Tensor& kept = shares_buffer();
+  if (release) kept = at::Tensor();
+  return kept.defined() ? kept.numel() * static_cast<int64_t>(sizeof(float)) : 0;
+}
+
 // dQ = sum over chunks of dq_part (stored transposed per query tile), in chunk order.
 void reduce_dq(const flash::Args& a, int64_t chunks, at::Tensor& dq) {
   const int64_t ntm = (a.s + kBM - 1) / kBM, tiles = a.b * a.hq * ntm;
@@ -304,7 +342,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
   a.chunk_tiles = chunk_tiles(ntn);
   const int64_t chunks = (ntn + a.chunk_tiles - 1) / a.chunk_tiles;
   // Not zero-filled: each chunk's first product into a query tile stores, and dq_written says which were written.
-  at::Tensor dq_part = at::empty({chunks * a.b * a.hq * ntm * a.d * kBM}, q.options().dtype(at::kFloat));
+  std::unique_lock<std::mutex> lease;
+  const at::Tensor dq_part = dq_shares(chunks * a.b * a.hq * ntm * a.d * kBM, lease);
   at::Tensor dq_written = at::zeros({chunks * a.b * a.hq * ntm}, q.options().dtype(at::kByte));
   a.q = bits(q);
   a.k = bits(k);
@@ -343,6 +382,7 @@ TORCH_LIBRARY_FRAGMENT(ipex_train, m) {
       "attention_flash_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor? attn_mask, Tensor? doc_start, float dropout_p, bool is_causal, float scale, Tensor seed) "
       "-> (Tensor, Tensor, Tensor)");
+  m.def("attention_workspace(bool release=False) -> int", &ipex_train::attention_workspace);
 }
 
 TORCH_LIBRARY_IMPL(ipex_train, CPU, m) {
