@@ -224,28 +224,6 @@ int64_t attention_workspace(bool release) {
   return kept.defined() ? kept.numel() * static_cast<int64_t>(sizeof(float)) : 0;
 }
 
-// dQ = sum over chunks of dq_part (stored transposed per query tile), in chunk order.
-void reduce_dq(const flash::Args& a, int64_t chunks, at::Tensor& dq) {
-  const int64_t ntm = (a.s + kBM - 1) / kBM, tiles = a.b * a.hq * ntm;
-  uint16_t* out = bits_mut(dq);
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(static_cast<size_t>(a.d * kBM));
-    for (int64_t x = begin; x < end; ++x) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t c = 0; c < chunks; ++c) {
-        if (!a.dq_written[c * tiles + x]) continue;  // no key of chunk c reaches these queries
-        const float* part = a.dq_part + (c * tiles + x) * a.d * kBM;
-        for (int64_t i = 0; i < a.d * kBM; ++i) acc[i] += part[i];
-      }
-      const int64_t bh = x / ntm, i0 = (x % ntm) * kBM, rows = std::min(kBM, a.s - i0);
-      for (int64_t m = 0; m < rows; ++m) {
-        uint16_t* row = out + (bh * a.s + i0 + m) * a.d;
-        for (int64_t col = 0; col < a.d; ++col) row[col] = c10::BFloat16(acc[col * kBM + m]).x;
-      }
-    }
-  });
-}
-
 // Runs task(index, scratch) for index in [0, n) over the threads, each thread taking the next index (the tasks of
 // causal attention differ in size); every task writes outputs of its own, so the order does not matter.
 // With oneDNN's products (onednn) each worker releases the micro-kernel's hardware state (AMX tile configuration)
@@ -367,7 +345,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
     const int64_t chunk = x / kv_heads, bh = x % kv_heads;
     tasks.backward_kv(a, bh / a.hk, bh % a.hk, chunk, scratch);
   });
-  reduce_dq(a, chunks, dq);
+  uint16_t* dq_out = bits_mut(dq);
+  const int64_t query_tiles = a.b * a.hq * ntm;
+  at::parallel_for(0, query_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(static_cast<size_t>(flash::scratch_floats(a)));
+    for (int64_t x = begin; x < end; ++x) tasks.reduce_dq(a, chunks, x, dq_out, scratch.data());
+  });
   return {dq, dk, dv};
 }
 

@@ -34,8 +34,8 @@ struct Args {
   const uint16_t *k_d, *v_r;
   // Packed query/grad tiles (dK/dV): q_d, q_r, g_d, g_r; key tiles transposed ([D][BN], for dQ^T += K^T dS^T).
   const uint16_t *q_d, *q_r, *g_d, *g_r, *k_t;
-  // dQ^T per chunk of key tiles: [chunks][B * Hq][query tiles][D][BM] fp32, zeroed by the host, which adds the
-  // chunks in order.
+  // dQ^T per chunk of key tiles: [chunks][B * Hq][query tiles][D][BM] fp32 (not zeroed: see dq_written); the
+  // chunks are added in order afterwards (ReduceDQTask).
   float* dq_part;
   // One flag per (chunk, query tile) of dq_part: set once the chunk wrote that tile (its first product stores,
   // later ones add), so no share is zero-filled and the host sums only written shares.
@@ -69,9 +69,14 @@ using ForwardTask = void (*)(const Args&, int64_t bi, int64_t h, int64_t i, floa
 // dK/dV of the key tiles of one chunk of (bi, key/value head hk), and their share of dQ (dq_part).
 using BackwardKVTask = void (*)(const Args&, int64_t bi, int64_t hk, int64_t chunk, float* scratch);
 
+// dQ of query tile x of the B * Hq * query tiles: the chunks' shares in dq_part added in chunk order, written to dq
+// ([B, Hq, S, D] bf16). Scratch: 1.5 * D * BM floats (within scratch_floats).
+using ReduceDQTask = void (*)(const Args&, int64_t chunks, int64_t x, uint16_t* dq, float* scratch);
+
 struct Tasks {
   ForwardTask forward;
   BackwardKVTask backward_kv;
+  ReduceDQTask reduce_dq;
 };
 
 extern const Tasks kGenericTasks;

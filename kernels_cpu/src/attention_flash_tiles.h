@@ -375,9 +375,29 @@ void backward_kv_task(const Args& a, int64_t bi, int64_t hk, int64_t chunk, floa
 
 
 
+// dQ of query tile x (of B * Hq * query tiles): the written chunks' shares summed in chunk order in fp32, rounded
+// once to bf16 (in the shares' transposed layout, where the loop is contiguous), then written back as [S][D] rows.
+void reduce_dq_task(const Args& a, int64_t chunks, int64_t x, uint16_t* dq, float* scratch) {
+  const int64_t tiles = a.b * a.hq * n_query_tiles(a), n = a.d * kBM;
+  float* acc = scratch;
+  uint16_t* rounded = reinterpret_cast<uint16_t*>(scratch + n);
+  for (int64_t i = 0; i < n; ++i) acc[i] = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (!a.dq_written[c * tiles + x]) continue;  // no key of chunk c reaches these queries
+    const float* part = a.dq_part + (c * tiles + x) * n;
+    for (int64_t i = 0; i < n; ++i) acc[i] += part[i];
+  }
+  for (int64_t i = 0; i < n; ++i) rounded[i] = f32_to_bf16(acc[i]);
+  const int64_t ntm = n_query_tiles(a), bh = x / ntm, i0 = (x % ntm) * kBM, rows = min64(kBM, a.s - i0);
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* row = dq + (bh * a.s + i0 + m) * a.d;
+    for (int64_t col = 0; col < a.d; ++col) row[col] = rounded[col * kBM + m];
+  }
+}
+
 }  // namespace
 
-extern const Tasks FLASH_TABLE = {&forward_task, &backward_kv_task};
+extern const Tasks FLASH_TABLE = {&forward_task, &backward_kv_task, &reduce_dq_task};
 
 }  // namespace flash
 }  // namespace ipex_train
