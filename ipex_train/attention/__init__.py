@@ -7,7 +7,7 @@ Two kernels, picked per call by :func:`scaled_dot_product_attention`:
   products with fp32 accumulation (AVX-512 BF16), tiles above a causal diagonal are skipped, and backward recomputes
   the probabilities tile by tile, in parallel over (batch, key/value head, key tile) for dK/dV and (batch, head,
   query tile) for dQ, with the same bits at any thread count. Memory per call grows with the sequence length; the
-  backward's fp32 dQ shares stay allocated between calls (:func:`workspace_bytes`).
+  backward's scratch memory stays allocated between calls (:func:`workspace_bytes`).
 - the *row* kernel (``kernels_cpu/src/attention.cpp``): bf16 matmuls (oneDNN) around one fused pass per score row;
   it keeps the S x T probabilities, so it only takes short key sequences (:data:`ROWS_MAX_KEYS`), and it is used
   below :data:`TILES_FROM_KEYS` keys (causal: :data:`CAUSAL_TILES_FROM_KEYS`), where it measured faster.
@@ -86,9 +86,10 @@ def supports(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
 
 
 def workspace_bytes(release: bool = False) -> int:
-    """Bytes the tiled kernel's backward keeps allocated between calls: its fp32 shares of dQ (four times dQ's size
-    in fp32 at most, kept up to 256 MiB; larger ones are allocated per call). Allocating them per call cost ~15% of a
-    2048-token backward in page faults. ``release=True`` frees them first (the next backward allocates again)."""
+    """Bytes the tiled kernel's backward keeps allocated between calls: its scratch memory (fp32 shares of dQ, up to
+    four times dQ's size, and packed copies of Q, K and the output gradient), kept up to 256 MiB (a call needing more
+    allocates its own). Allocating it per call cost ~12% of a 2048-token backward in page faults. ``release=True``
+    frees it first (the next backward allocates again)."""
     if not isinstance(release, bool):
         raise TypeError(f"release must be a bool, got {type(release).__name__}")
     return int(torch.ops.ipex_train.attention_workspace(release))

@@ -8,7 +8,8 @@
 // of key tiles): each computes dK, dV of its keys completely (summing over the query heads of the group and the
 // query tiles) and its chunk's share of dQ, so a batch of 1 still yields (key/value heads x chunks) tasks with five
 // products per tile pair (dQ needs no second pass); the chunks' dQ shares are added in chunk order afterwards. Every
-// output is summed in a fixed order, so the bits do not depend on the number of threads.
+// output is summed in a fixed order, so the bits do not depend on the number of threads. The backward's scratch
+// memory (shares, packs, deltas) is one buffer kept between calls (workspace()).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -115,13 +116,16 @@ void set_dropout(flash::Args& a, double p, const at::Tensor& seed) {
 const uint16_t* bits(const at::Tensor& t) { return static_cast<const uint16_t*>(t.const_data_ptr()); }
 uint16_t* bits_mut(at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }
 
+// Elements of a packed copy of src [B, H, rows, cols] in tiles of `tile` rows (zero rows past the end).
+int64_t packed_size(const at::Tensor& src, int64_t tile) {
+  return src.size(0) * src.size(1) * ((src.size(2) + tile - 1) / tile) * tile * src.size(3);
+}
+
 // src [heads, rows, cols] -> [heads, tiles, cols / 2, tile, 2]: pairs along cols, zero rows past the end.
-at::Tensor pack_cols(const at::Tensor& src, int64_t tile) {
+void pack_cols(const at::Tensor& src, int64_t tile, uint16_t* o) {
   const int64_t heads = src.size(0) * src.size(1), rows = src.size(2), cols = src.size(3);
   const int64_t tiles = (rows + tile - 1) / tile;
-  at::Tensor out = at::empty({heads * tiles * cols * tile}, src.options());
   const uint16_t* s = bits(src);
-  uint16_t* o = bits_mut(out);
   at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) {
       const int64_t hh = x / tiles, ti = x % tiles;
@@ -136,16 +140,13 @@ at::Tensor pack_cols(const at::Tensor& src, int64_t tile) {
       }
     }
   });
-  return out;
 }
 
 // src [heads, rows, cols] -> [heads, tiles, tile / 2, cols, 2]: pairs along rows, zero rows past the end.
-at::Tensor pack_rows(const at::Tensor& src, int64_t tile) {
+void pack_rows(const at::Tensor& src, int64_t tile, uint16_t* o) {
   const int64_t heads = src.size(0) * src.size(1), rows = src.size(2), cols = src.size(3);
   const int64_t tiles = (rows + tile - 1) / tile;
-  at::Tensor out = at::empty({heads * tiles * tile * cols}, src.options());
   const uint16_t* s = bits(src);
-  uint16_t* o = bits_mut(out);
   at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) {
       const int64_t hh = x / tiles, ti = x % tiles;
@@ -157,16 +158,13 @@ at::Tensor pack_rows(const at::Tensor& src, int64_t tile) {
       }
     }
   });
-  return out;
 }
 
 // src [heads, rows, cols] -> [heads, tiles, cols, tile]: each tile transposed, zero rows past the end.
-at::Tensor pack_transposed(const at::Tensor& src, int64_t tile) {
+void pack_transposed(const at::Tensor& src, int64_t tile, uint16_t* o) {
   const int64_t heads = src.size(0) * src.size(1), rows = src.size(2), cols = src.size(3);
   const int64_t tiles = (rows + tile - 1) / tile;
-  at::Tensor out = at::empty({heads * tiles * cols * tile}, src.options());
   const uint16_t* s = bits(src);
-  uint16_t* o = bits_mut(out);
   at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t x = begin; x < end; ++x) {
       const int64_t hh = x / tiles, ti = x % tiles;
@@ -178,7 +176,6 @@ at::Tensor pack_transposed(const at::Tensor& src, int64_t tile) {
       }
     }
   });
-  return out;
 }
 
 // Key tiles per chunk of the backward's dK/dV tasks: at most kChunks chunks per key/value head, each adding its
@@ -187,42 +184,63 @@ at::Tensor pack_transposed(const at::Tensor& src, int64_t tile) {
 constexpr int64_t kChunks = 4;
 int64_t chunk_tiles(int64_t key_tiles) { return (key_tiles + kChunks - 1) / kChunks; }
 
-// The backward's fp32 dQ shares, kept between calls. Allocated per call, a buffer of that size (4x dQ in fp32, 32 MiB
-// at b1 h16 s2048 d64) came from mmap and went back at free, and the kernel's zeroing of its fresh pages cost ~15%
-// of such a backward's CPU time (perf stat, 2-core AMX VM). Grow-only up to kSharesCapFloats; a call that needs more,
-// or finds it in use by another thread's backward, allocates its own. Never destroyed (no allocator calls at exit);
-// attention_workspace(release=True) frees it.
-constexpr int64_t kSharesCapFloats = int64_t{64} << 20;  // 256 MiB
-std::mutex shares_mutex;
-at::Tensor& shares_buffer() {
+// The backward's scratch memory (its fp32 dQ shares, the packed copies of Q, K and dO, the row deltas), kept between
+// calls in one buffer. Allocated per call, the shares alone (4x dQ in fp32, 32 MiB at b1 h16 s2048 d64) came from
+// mmap and went back at free, and the kernel's zeroing of their fresh pages cost ~15% of such a backward's CPU time
+// (perf stat, 2-core AMX VM); the packs faulted in again whenever glibc trimmed its heap. Grow-only up to
+// kWorkspaceCap bytes; a call that needs more, or finds it in use by another thread's backward, allocates its own.
+// Never destroyed (no allocator calls at exit); attention_workspace(release=True) frees it.
+constexpr int64_t kWorkspaceCap = int64_t{256} << 20;
+std::mutex workspace_mutex;
+at::Tensor& kept_workspace() {
   static at::Tensor* buffer = new at::Tensor();
   return *buffer;
 }
 
-// At least n floats for the dQ shares: the kept buffer (locked by `lease` until the caller's scope ends) or a new one.
-at::Tensor dq_shares(int64_t n, std::unique_lock<std::mutex>& lease) {
-  if (n <= kSharesCapFloats) {
-    std::unique_lock<std::mutex> lock(shares_mutex, std::try_to_lock);
+// At least `bytes` bytes: the kept buffer (locked by `lease` until the caller's scope ends) or a new one.
+at::Tensor workspace(int64_t bytes, std::unique_lock<std::mutex>& lease) {
+  const auto options = at::TensorOptions().dtype(at::kByte);
+  if (bytes <= kWorkspaceCap) {
+    std::unique_lock<std::mutex> lock(workspace_mutex, std::try_to_lock);
     if (lock.owns_lock()) {
-      at::Tensor& kept = shares_buffer();
-      if (!kept.defined() || kept.numel() < n) {
+      at::Tensor& kept = kept_workspace();
+      if (!kept.defined() || kept.numel() < bytes) {
         kept = at::Tensor();  // free the smaller one first
-        kept = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+        kept = at::empty({bytes}, options);
       }
       lease = std::move(lock);
       return kept;
     }
   }
-  return at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+  return at::empty({bytes}, options);
 }
 
-// Bytes the kept dQ-share buffer holds, after freeing it when `release`.
+// Bytes the kept workspace holds, after freeing it when `release`.
 int64_t attention_workspace(bool release) {
-  std::lock_guard<std::mutex> lock(shares_mutex);
-  at::Tensor& kept = shares_buffer();
+  std::lock_guard<std::mutex> lock(workspace_mutex);
+  at::Tensor& kept = kept_workspace();
   if (release) kept = at::Tensor();
-  return kept.defined() ? kept.numel() * static_cast<int64_t>(sizeof(float)) : 0;
+  return kept.defined() ? kept.numel() : 0;
 }
+
+// Consecutive 64-byte-aligned pieces of one buffer: first the sizes (add), then the pointers (take, same order).
+class Pieces {
+ public:
+  template <class T>
+  int64_t add(int64_t n) {
+    const int64_t at = total_;
+    total_ += (n * static_cast<int64_t>(sizeof(T)) + 63) / 64 * 64;
+    return at;
+  }
+  int64_t total() const { return total_; }
+  template <class T>
+  static T* take(uint8_t* base, int64_t offset) {
+    return reinterpret_cast<T*>(base + offset);
+  }
+
+ private:
+  int64_t total_ = 0;
+};
 
 // Runs task(index, scratch) for index in [0, n) over the threads, each thread taking the next index (the tasks of
 // causal attention differ in size); every task writes outputs of its own, so the order does not matter.
@@ -256,7 +274,9 @@ std::tuple<at::Tensor, at::Tensor> attention_flash_forward(const at::Tensor& q_i
   at::Tensor out = at::empty({a.b, a.hq, a.s, a.dv}, q.options());
   at::Tensor lse = at::empty({a.b, a.hq, a.s}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
-  const at::Tensor k_d = pack_cols(k, kBN), v_r = pack_rows(v, kBN);
+  at::Tensor k_d = at::empty({packed_size(k, kBN)}, k.options()), v_r = at::empty({packed_size(v, kBN)}, v.options());
+  pack_cols(k, kBN, bits_mut(k_d));
+  pack_rows(v, kBN, bits_mut(v_r));
   a.q = bits(q);
   a.k_d = bits(k_d);
   a.v_r = bits(v_r);
@@ -273,12 +293,10 @@ std::tuple<at::Tensor, at::Tensor> attention_flash_forward(const at::Tensor& q_i
   return {out, lse};
 }
 
-// rowsum(grad * out) per row, in fp32.
-at::Tensor row_delta(const at::Tensor& grad, const at::Tensor& out) {
+// rowsum(grad * out) per row, in fp32, into dp (one float per row).
+void row_delta(const at::Tensor& grad, const at::Tensor& out, float* dp) {
   const int64_t rows = out.numel() / out.size(-1), dv = out.size(-1);
-  at::Tensor delta = at::empty({rows}, out.options().dtype(at::kFloat));
   const uint16_t *g = bits(grad), *o = bits(out);
-  float* dp = delta.data_ptr<float>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float sum = 0.0f;
@@ -289,7 +307,6 @@ at::Tensor row_delta(const at::Tensor& grad, const at::Tensor& out) {
       dp[r] = sum;
     }
   });
-  return delta;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
@@ -312,28 +329,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
   at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
              dv = at::empty(v.sizes(), v.options());
   if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
-  const at::Tensor delta = row_delta(grad, out);
-  const at::Tensor k_t = pack_transposed(k, kBN);
-  const at::Tensor q_d = pack_cols(q, kBM), q_r = pack_rows(q, kBM), g_d = pack_cols(grad, kBM),
-                   g_r = pack_rows(grad, kBM);
   const int64_t ntm = (a.s + kBM - 1) / kBM, ntn = (a.t + kBN - 1) / kBN;
   a.chunk_tiles = chunk_tiles(ntn);
   const int64_t chunks = (ntn + a.chunk_tiles - 1) / a.chunk_tiles;
-  // Not zero-filled: each chunk's first product into a query tile stores, and dq_written says which were written.
+  Pieces pieces;
+  const int64_t shares_at = pieces.add<float>(chunks * a.b * a.hq * ntm * a.d * kBM);
+  const int64_t delta_at = pieces.add<float>(out.numel() / a.dv);
+  const int64_t k_t_at = pieces.add<uint16_t>(packed_size(k, kBN));
+  const int64_t q_d_at = pieces.add<uint16_t>(packed_size(q, kBM));
+  const int64_t q_r_at = pieces.add<uint16_t>(packed_size(q, kBM));
+  const int64_t g_d_at = pieces.add<uint16_t>(packed_size(grad, kBM));
+  const int64_t g_r_at = pieces.add<uint16_t>(packed_size(grad, kBM));
   std::unique_lock<std::mutex> lease;
-  const at::Tensor dq_part = dq_shares(chunks * a.b * a.hq * ntm * a.d * kBM, lease);
+  const at::Tensor work = workspace(pieces.total(), lease);
+  uint8_t* base = work.data_ptr<uint8_t>();
+  float* delta = Pieces::take<float>(base, delta_at);
+  row_delta(grad, out, delta);
+  pack_transposed(k, kBN, Pieces::take<uint16_t>(base, k_t_at));
+  pack_cols(q, kBM, Pieces::take<uint16_t>(base, q_d_at));
+  pack_rows(q, kBM, Pieces::take<uint16_t>(base, q_r_at));
+  pack_cols(grad, kBM, Pieces::take<uint16_t>(base, g_d_at));
+  pack_rows(grad, kBM, Pieces::take<uint16_t>(base, g_r_at));
+  // Not zero-filled: each chunk's first product into a query tile stores, and dq_written says which were written.
   at::Tensor dq_written = at::zeros({chunks * a.b * a.hq * ntm}, q.options().dtype(at::kByte));
   a.q = bits(q);
   a.k = bits(k);
   a.v = bits(v);
-  a.k_t = bits(k_t);
-  a.q_d = bits(q_d);
-  a.q_r = bits(q_r);
-  a.g_d = bits(g_d);
-  a.g_r = bits(g_r);
+  a.k_t = Pieces::take<uint16_t>(base, k_t_at);
+  a.q_d = Pieces::take<uint16_t>(base, q_d_at);
+  a.q_r = Pieces::take<uint16_t>(base, q_r_at);
+  a.g_d = Pieces::take<uint16_t>(base, g_d_at);
+  a.g_r = Pieces::take<uint16_t>(base, g_r_at);
   a.lse = const_cast<float*>(lse.const_data_ptr<float>());  // read only in backward
-  a.delta = delta.const_data_ptr<float>();
-  a.dq_part = dq_part.data_ptr<float>();
+  a.delta = delta;
+  a.dq_part = Pieces::take<float>(base, shares_at);
   a.dq_written = dq_written.data_ptr<uint8_t>();
   a.dk_out = bits_mut(dk);
   a.dv_out = bits_mut(dv);
