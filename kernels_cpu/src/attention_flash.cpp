@@ -121,42 +121,15 @@ int64_t packed_size(const at::Tensor& src, int64_t tile) {
   return src.size(0) * src.size(1) * ((src.size(2) + tile - 1) / tile) * tile * src.size(3);
 }
 
-// src [heads, rows, cols] -> [heads, tiles, cols / 2, tile, 2]: pairs along cols, zero rows past the end.
-void pack_cols(const at::Tensor& src, int64_t tile, uint16_t* o) {
+// src [heads, rows, cols] -> per head and tile of `tile` rows, `pack` (a PackTask of the tiles: pairs along the
+// columns or along the rows), zero rows past the end.
+void pack(const at::Tensor& src, int64_t tile, flash::PackTask task, uint16_t* o) {
   const int64_t heads = src.size(0) * src.size(1), rows = src.size(2), cols = src.size(3);
   const int64_t tiles = (rows + tile - 1) / tile;
   const uint16_t* s = bits(src);
   at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t x = begin; x < end; ++x) {
-      const int64_t hh = x / tiles, ti = x % tiles;
-      uint16_t* ot = o + x * cols * tile;
-      for (int64_t r = 0; r < tile; ++r) {
-        const int64_t row = ti * tile + r;
-        const uint16_t* sr = s + (hh * rows + row) * cols;
-        for (int64_t p = 0; p < cols / 2; ++p) {
-          ot[(p * tile + r) * 2] = row < rows ? sr[2 * p] : 0;
-          ot[(p * tile + r) * 2 + 1] = row < rows ? sr[2 * p + 1] : 0;
-        }
-      }
-    }
-  });
-}
-
-// src [heads, rows, cols] -> [heads, tiles, tile / 2, cols, 2]: pairs along rows, zero rows past the end.
-void pack_rows(const at::Tensor& src, int64_t tile, uint16_t* o) {
-  const int64_t heads = src.size(0) * src.size(1), rows = src.size(2), cols = src.size(3);
-  const int64_t tiles = (rows + tile - 1) / tile;
-  const uint16_t* s = bits(src);
-  at::parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t x = begin; x < end; ++x) {
-      const int64_t hh = x / tiles, ti = x % tiles;
-      uint16_t* ot = o + x * cols * tile;
-      for (int64_t r = 0; r < tile; ++r) {
-        const int64_t row = ti * tile + r;
-        const uint16_t* sr = s + (hh * rows + row) * cols;
-        for (int64_t c = 0; c < cols; ++c) ot[((r / 2) * cols + c) * 2 + (r % 2)] = row < rows ? sr[c] : 0;
-      }
-    }
+    for (int64_t x = begin; x < end; ++x) task(s + (x / tiles) * rows * cols, rows, cols, tile, x % tiles,
+                                               o + x * cols * tile);
   });
 }
 
@@ -275,14 +248,14 @@ std::tuple<at::Tensor, at::Tensor> attention_flash_forward(const at::Tensor& q_i
   at::Tensor lse = at::empty({a.b, a.hq, a.s}, q.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
   at::Tensor k_d = at::empty({packed_size(k, kBN)}, k.options()), v_r = at::empty({packed_size(v, kBN)}, v.options());
-  pack_cols(k, kBN, bits_mut(k_d));
-  pack_rows(v, kBN, bits_mut(v_r));
+  const flash::Tasks& tasks = flash_tasks();
+  pack(k, kBN, tasks.pack_cols, bits_mut(k_d));
+  pack(v, kBN, tasks.pack_rows, bits_mut(v_r));
   a.q = bits(q);
   a.k_d = bits(k_d);
   a.v_r = bits(v_r);
   a.out = bits_mut(out);
   a.lse = lse.data_ptr<float>();
-  const flash::Tasks& tasks = flash_tasks();
   a.product = tile_product(tasks);
   const int64_t ntm = (a.s + kBM - 1) / kBM, heads = a.b * a.hq;
   // Last query tiles first: under a causal mask they have the most keys.
@@ -294,19 +267,10 @@ std::tuple<at::Tensor, at::Tensor> attention_flash_forward(const at::Tensor& q_i
 }
 
 // rowsum(grad * out) per row, in fp32, into dp (one float per row).
-void row_delta(const at::Tensor& grad, const at::Tensor& out, float* dp) {
+void row_delta(const flash::Tasks& tasks, const at::Tensor& grad, const at::Tensor& out, float* dp) {
   const int64_t rows = out.numel() / out.size(-1), dv = out.size(-1);
   const uint16_t *g = bits(grad), *o = bits(out);
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float sum = 0.0f;
-      for (int64_t c = 0; c < dv; ++c) {
-        sum += c10::BFloat16(g[r * dv + c], c10::BFloat16::from_bits()) *
-               static_cast<float>(c10::BFloat16(o[r * dv + c], c10::BFloat16::from_bits()));
-      }
-      dp[r] = sum;
-    }
-  });
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) { tasks.row_delta(g, o, dv, begin, end, dp); });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
@@ -344,12 +308,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
   const at::Tensor work = workspace(pieces.total(), lease);
   uint8_t* base = work.data_ptr<uint8_t>();
   float* delta = Pieces::take<float>(base, delta_at);
-  row_delta(grad, out, delta);
+  const flash::Tasks& tasks = flash_tasks();
+  row_delta(tasks, grad, out, delta);
   pack_transposed(k, kBN, Pieces::take<uint16_t>(base, k_t_at));
-  pack_cols(q, kBM, Pieces::take<uint16_t>(base, q_d_at));
-  pack_rows(q, kBM, Pieces::take<uint16_t>(base, q_r_at));
-  pack_cols(grad, kBM, Pieces::take<uint16_t>(base, g_d_at));
-  pack_rows(grad, kBM, Pieces::take<uint16_t>(base, g_r_at));
+  pack(q, kBM, tasks.pack_cols, Pieces::take<uint16_t>(base, q_d_at));
+  pack(q, kBM, tasks.pack_rows, Pieces::take<uint16_t>(base, q_r_at));
+  pack(grad, kBM, tasks.pack_cols, Pieces::take<uint16_t>(base, g_d_at));
+  pack(grad, kBM, tasks.pack_rows, Pieces::take<uint16_t>(base, g_r_at));
   // Not zero-filled: each chunk's first product into a query tile stores, and dq_written says which were written.
   at::Tensor dq_written = at::zeros({chunks * a.b * a.hq * ntm}, q.options().dtype(at::kByte));
   a.q = bits(q);
@@ -366,7 +331,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
   a.dq_written = dq_written.data_ptr<uint8_t>();
   a.dk_out = bits_mut(dk);
   a.dv_out = bits_mut(dv);
-  const flash::Tasks& tasks = flash_tasks();
   a.product = tile_product(tasks);
   const int64_t kv_heads = a.b * a.hk;
   // First chunks first: under a causal mask the most queries reach them.

@@ -73,10 +73,20 @@ using BackwardKVTask = void (*)(const Args&, int64_t bi, int64_t hk, int64_t chu
 // ([B, Hq, S, D] bf16). Scratch: 1.5 * D * BM floats (within scratch_floats).
 using ReduceDQTask = void (*)(const Args&, int64_t chunks, int64_t x, uint16_t* dq, float* scratch);
 
+// Tile ti of one head's [rows][cols] bf16 block packed into `out` (zero rows past `rows`): pairs along the columns
+// ([cols / 2][tile][2], PackTask pack_cols) or along the rows ([tile / 2][cols][2], pack_rows).
+using PackTask = void (*)(const uint16_t* head, int64_t rows, int64_t cols, int64_t tile, int64_t ti, uint16_t* out);
+// rowsum(grad * out) in fp32 for rows [r0, r1) of two [rows][dv] bf16 blocks.
+using RowDeltaTask = void (*)(const uint16_t* grad, const uint16_t* out, int64_t dv, int64_t r0, int64_t r1,
+                              float* delta);
+
 struct Tasks {
   ForwardTask forward;
   BackwardKVTask backward_kv;
   ReduceDQTask reduce_dq;
+  PackTask pack_cols;
+  PackTask pack_rows;
+  RowDeltaTask row_delta;
 };
 
 extern const Tasks kGenericTasks;

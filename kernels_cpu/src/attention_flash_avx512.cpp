@@ -18,7 +18,7 @@
 #include "attention_flash.h"
 namespace ipex_train {
 namespace flash {
-extern const Tasks kAvx512Bf16Tasks = {nullptr, nullptr, nullptr};
+extern const Tasks kAvx512Bf16Tasks = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
 }
 }  // namespace ipex_train
 #endif

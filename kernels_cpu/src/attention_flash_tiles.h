@@ -395,9 +395,94 @@ void reduce_dq_task(const Args& a, int64_t chunks, int64_t x, uint16_t* dq, floa
   }
 }
 
+// ---- packing ---------------------------------------------------------------------------------------------------
+// Row r of a head's [rows][cols] block, or null past the end (the packs write zeros there).
+inline const uint16_t* src_row(const uint16_t* head, int64_t rows, int64_t cols, int64_t row) {
+  return row < rows ? head + row * cols : nullptr;
+}
+
+// Tile ti of one head [rows][cols] -> [cols / 2][tile][2] (pairs along the columns): a transpose of 32-bit pairs.
+void pack_cols_task(const uint16_t* head, int64_t rows, int64_t cols, int64_t tile, int64_t ti, uint16_t* out) {
+  const int64_t pairs = cols / 2;
+  auto* o = reinterpret_cast<uint32_t*>(out);
+#ifdef FLASH_DPBF16
+  for (int64_t r0 = 0; r0 < tile; r0 += 16) {
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      const int64_t np = min64(16, pairs - p0);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << np) - 1u);
+      __m512i x[16];
+      for (int r = 0; r < 16; ++r) {
+        const uint16_t* sr = src_row(head, rows, cols, ti * tile + r0 + r);
+        x[r] = sr ? _mm512_maskz_loadu_epi32(lanes, sr + 2 * p0) : _mm512_setzero_si512();
+      }
+      transpose16x32(x);
+      for (int64_t p = 0; p < np; ++p) _mm512_storeu_si512(o + (p0 + p) * tile + r0, x[p]);
+    }
+  }
+#else
+  for (int64_t r = 0; r < tile; ++r) {
+    const uint16_t* sr = src_row(head, rows, cols, ti * tile + r);
+    uint32_t pair = 0;
+    for (int64_t p = 0; p < pairs; ++p) {
+      if (sr) std::memcpy(&pair, sr + 2 * p, 4);
+      o[p * tile + r] = pair;
+    }
+  }
+#endif
+}
+
+// Tile ti of one head [rows][cols] -> [tile / 2][cols][2] (pairs along the rows): two rows interleaved.
+void pack_rows_task(const uint16_t* head, int64_t rows, int64_t cols, int64_t tile, int64_t ti, uint16_t* out) {
+  for (int64_t r = 0; r < tile; r += 2) {
+    const uint16_t* a = src_row(head, rows, cols, ti * tile + r);
+    const uint16_t* b = src_row(head, rows, cols, ti * tile + r + 1);
+    uint16_t* o = out + (r / 2) * cols * 2;
+#ifdef FLASH_DPBF16
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t c = 0; c < cols; c += 32) {
+      const __mmask32 lanes = cols - c >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (cols - c)) - 1u);
+      const __m512i va = a ? _mm512_maskz_loadu_epi16(lanes, a + c) : _mm512_setzero_si512();
+      const __m512i vb = b ? _mm512_maskz_loadu_epi16(lanes, b + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(o + 2 * c, _mm512_permutex2var_epi16(va, lo, vb));
+      if (cols - c > 16) _mm512_storeu_si512(o + 2 * c + 32, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+#else
+    for (int64_t c = 0; c < cols; ++c) {
+      o[2 * c] = a ? a[c] : 0;
+      o[2 * c + 1] = b ? b[c] : 0;
+    }
+#endif
+  }
+}
+
+// rowsum(grad * out) in fp32 for rows [r0, r1) of [rows][dv] (dv a multiple of 16 under FLASH_DPBF16).
+void row_delta_task(const uint16_t* g, const uint16_t* o, int64_t dv, int64_t r0, int64_t r1, float* delta) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t *gr = g + r * dv, *orow = o + r * dv;
+#ifdef FLASH_DPBF16
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dv; c += 16) {
+      const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gr + c))), 16));
+      const __m512 ov = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(orow + c))), 16));
+      acc = _mm512_fmadd_ps(gv, ov, acc);
+    }
+    delta[r] = _mm512_reduce_add_ps(acc);
+#else
+    float sum = 0.0f;
+    for (int64_t c = 0; c < dv; ++c) sum += bf16_to_f32(gr[c]) * bf16_to_f32(orow[c]);
+    delta[r] = sum;
+#endif
+  }
+}
+
 }  // namespace
 
-extern const Tasks FLASH_TABLE = {&forward_task, &backward_kv_task, &reduce_dq_task};
+extern const Tasks FLASH_TABLE = {&forward_task,   &backward_kv_task, &reduce_dq_task,
+                                  &pack_cols_task, &pack_rows_task,   &row_delta_task};
 
 }  // namespace flash
 }  // namespace ipex_train

@@ -153,4 +153,29 @@ inline void transposed_row(const Args& a, const QueryRows& q, int64_t bi, int64_
                                            scale));
   }
 }
+// x[r] = row r of a 16 x 16 block of 32-bit elements, in place -> x[c] = column c.
+inline void transpose16x32(__m512i* x) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(x[i], x[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(x[i], x[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    x[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    x[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    x[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    x[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // Now x[4j + k] holds, in each 128-bit lane L, elements (rows 4j..4j+3) of column 4L + k. Gather the lanes.
+  for (int i = 0; i < 4; ++i) {
+    const __m512i a = _mm512_shuffle_i32x4(x[i], x[i + 4], 0x88), b = _mm512_shuffle_i32x4(x[i], x[i + 4], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(x[i + 8], x[i + 12], 0x88),
+                  d = _mm512_shuffle_i32x4(x[i + 8], x[i + 12], 0xDD);
+    t[i] = _mm512_shuffle_i32x4(a, c, 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(b, d, 0x88);
+    t[i + 8] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    t[i + 12] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) x[i] = t[i];
+}
 #endif  // FLASH_DPBF16
