@@ -87,6 +87,25 @@ def test_long_causal_sequence_against_fp32():
     _close(got, _reference(q, k, v, g, is_causal=True))
 
 
+@pytest.mark.parametrize("b, heads", [(1, 16), (4, 8), (1, 40)], ids=["2 chunks", "1 chunk", "1 chunk, 40 heads"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fewer_chunks_when_many_heads(b, heads, causal):
+    # Batch x key/value heads of 16 and 32 or more take 2 and 1 chunks of key tiles (4 below 9): against fp32, and the
+    # same bits at 1 and 3 threads.
+    q, k, v = _qkv(b, heads, heads, 260, 260, 64, seed=heads)
+    g = torch.randn(b, heads, 260, 64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _grads(lambda q, k, v: _flash(q, k, v, causal=causal), q, k, v, g)
+        torch.set_num_threads(3)
+        three = _grads(lambda q, k, v: _flash(q, k, v, causal=causal), q, k, v, g)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, c) for a, c in zip(one, three))
+    _close(one, _reference(q, k, v, g, is_causal=causal))
+
+
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 def test_head_dims_and_grouped_queries(d):
     q, k, v = _qkv(2, 4, 2, 70, 70, d, seed=d)

@@ -4,12 +4,13 @@
 //
 // Memory per call grows with the sequence, not its square: forward keeps the output and one log-sum-exp per row;
 // backward packs copies of Q, K and dO (each the size of its tensor), recomputes the probabilities tile by tile, and
-// keeps dQ in fp32 once per chunk of key tiles (at most kChunks). Backward's tasks are (batch, key/value head, chunk
-// of key tiles): each computes dK, dV of its keys completely (summing over the query heads of the group and the
-// query tiles) and its chunk's share of dQ, so a batch of 1 still yields (key/value heads x chunks) tasks with five
-// products per tile pair (dQ needs no second pass); the chunks' dQ shares are added in chunk order afterwards. Every
-// output is summed in a fixed order, so the bits do not depend on the number of threads. The backward's scratch
-// memory (shares, packs, deltas) is one buffer kept between calls (workspace()).
+// keeps dQ in fp32 once per chunk of key tiles (at most kChunks; fewer when batch x key/value heads is large).
+// Backward's tasks are (batch, key/value head, chunk of key tiles): each computes dK, dV of its keys completely
+// (summing over the query heads of the group and the query tiles) and its chunk's share of dQ, so a batch of 1 still
+// yields (key/value heads x chunks) tasks with five products per tile pair (dQ needs no second pass); the chunks'
+// dQ shares are added in chunk order afterwards. Every output is summed in a fixed order, so the bits do not depend
+// on the number of threads. The backward's scratch memory (shares, packs, deltas) is one buffer kept between calls
+// (workspace()).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -151,11 +152,16 @@ void pack_transposed(const at::Tensor& src, int64_t tile, uint16_t* o) {
   });
 }
 
-// Key tiles per chunk of the backward's dK/dV tasks: at most kChunks chunks per key/value head, each adding its
-// share of dQ into a buffer of its own (fp32, the size of dQ), summed in chunk order after all tasks: the split
-// depends on the shape only, never on the thread count.
+// Key tiles per chunk of the backward's dK/dV tasks: each chunk adds its share of dQ into a buffer of its own (fp32,
+// the size of dQ), summed in chunk order after all tasks. As few chunks as give kMinTasks tasks (batch x key/value
+// heads x chunks), at most kChunks: every chunk costs a dQ-sized buffer and its pass in the sum. The split depends on
+// the shape only, never on the thread count.
 constexpr int64_t kChunks = 4;
-int64_t chunk_tiles(int64_t key_tiles) { return (key_tiles + kChunks - 1) / kChunks; }
+constexpr int64_t kMinTasks = 32;
+int64_t chunk_tiles(int64_t key_tiles, int64_t kv_heads) {
+  const int64_t chunks = std::min(kChunks, std::max<int64_t>(1, (kMinTasks + kv_heads - 1) / kv_heads));
+  return (key_tiles + chunks - 1) / chunks;
+}
 
 // The backward's scratch memory (its fp32 dQ shares, the packed copies of Q, K and dO, the row deltas), kept between
 // calls in one buffer. Allocated per call, the shares alone (4x dQ in fp32, 32 MiB at b1 h16 s2048 d64) came from
@@ -294,7 +300,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_flash_backward(
              dv = at::empty(v.sizes(), v.options());
   if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
   const int64_t ntm = (a.s + kBM - 1) / kBM, ntn = (a.t + kBN - 1) / kBN;
-  a.chunk_tiles = chunk_tiles(ntn);
+  a.chunk_tiles = chunk_tiles(ntn, a.b * a.hk);
   const int64_t chunks = (ntn + a.chunk_tiles - 1) / a.chunk_tiles;
   Pieces pieces;
   const int64_t shares_at = pieces.add<float>(chunks * a.b * a.hq * ntm * a.d * kBM);
