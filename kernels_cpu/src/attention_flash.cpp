@@ -164,9 +164,9 @@ int64_t chunk_tiles(int64_t key_tiles, int64_t kv_heads) {
 }
 
 // The backward's scratch memory (its fp32 dQ shares, the packed copies of Q, K and dO, the row deltas), kept between
-// calls in one buffer. Allocated per call, the shares alone (4x dQ in fp32, 32 MiB at b1 h16 s2048 d64) came from
-// mmap and went back at free, and the kernel's zeroing of their fresh pages cost ~15% of such a backward's CPU time
-// (perf stat, 2-core AMX VM); the packs faulted in again whenever glibc trimmed its heap. Grow-only up to
+// calls in one buffer. Allocated per call, the shares alone (up to 4x dQ in fp32, tens of MiB at 2048 tokens) came
+// from mmap and went back at free, and the kernel's zeroing of their fresh pages cost ~15% of such a backward's CPU
+// time (perf stat, 2-core AMX VM); the packs faulted in again whenever glibc trimmed its heap. Grow-only up to
 // kWorkspaceCap bytes; a call that needs more, or finds it in use by another thread's backward, allocates its own.
 // Never destroyed (no allocator calls at exit); attention_workspace(release=True) frees it.
 constexpr int64_t kWorkspaceCap = int64_t{256} << 20;
