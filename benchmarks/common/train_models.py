@@ -98,19 +98,22 @@ def _vit_b16():
 
 class LlamaLike(nn.Module):
     """HuggingFace LlamaModel from a config (8 layers, hidden 768, 12 query heads over 4 key/value heads, SwiGLU FFN
-    2048, causal attention), fed embeddings; classifier on the mean of the last hidden states."""
+    2048, causal attention), fed embeddings, or token ids of a ``vocab``-sized vocabulary (Llama-2's: 32000);
+    classifier on the mean of the last hidden states."""
 
-    def __init__(self):
+    def __init__(self, vocab: int = 256):
         super().__init__()
         from transformers import LlamaConfig, LlamaModel
 
         config = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
-                             num_key_value_heads=4, vocab_size=256, max_position_embeddings=512,
+                             num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=512,
                              attn_implementation="sdpa")
         self.llama = LlamaModel(config)
         self.head = nn.Linear(config.hidden_size, NUM_CLASSES)
 
     def forward(self, x):
+        if not x.is_floating_point():  # token ids (llama_s256_tokens): the embeddings' lookup, as in a fine-tune
+            return self.head(self.llama(input_ids=x).last_hidden_state.mean(1))
         return self.head(self.llama(inputs_embeds=x).last_hidden_state.mean(1))
 
 
@@ -180,6 +183,10 @@ MODELS = {
                                   roof=True, vocab=30522),
     "vit_b16": ModelSpec(_vit_b16, (4, 3, 224, 224), 0.002, 0.05, large=True, quick=False, roof=True),
     "llama_s256": ModelSpec(LlamaLike, (4, 256, 768), 0.002, 0.05, large=True, quick=False, roof=True),
+    # Fed token ids: under optimize(bf16) the stream, the norms' outputs and the rotary tables are bf16 (fed fp32
+    # embeddings, the rotary tables are fp32, every linear casts its input and the rotary route does not apply).
+    "llama_s256_tokens": ModelSpec(functools.partial(LlamaLike, 32000), (4, 256), 0.002, 0.8, large=True,
+                                   quick=False, roof=True, vocab=32000),
     "resnet50": ModelSpec(_resnet50, (8, 3, 64, 64), 0.003, 0.05, large=True, quick=False),
     # Small real CNNs: batch 8, 64 px, timm's optimizer; per-op overhead matters most here.
     "timm_resnet18": ModelSpec(_timm("resnet18"), (8, 3, 64, 64), 1e-3, 0.05, optimizer=timm_adamw, large=True),

@@ -23,7 +23,7 @@ import torch
 
 from .. import rope as _fused
 from ._source import digest
-from ._swap import Swap
+from ._swap import Swap, shared_input_cast
 
 # Classes whose forward was LlamaAttention's, token for token, in transformers 5.24 (and whose modules define the
 # same apply_rotary_pos_emb and rotate_half); the run-time check below still compares each against _CHECKED.
@@ -76,6 +76,8 @@ def forward(self, hidden_states, *args, **kwargs):
     cache = kwargs.pop("cache", None)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
+    # An fp32 input (the output of an RMSNorm whose weight optimize() keeps fp32) cast once, not once per projection.
+    hidden_states = shared_input_cast((self.q_proj, self.k_proj, self.v_proj), hidden_states)
     query = self.q_proj(hidden_states).view(hidden_shape)
     key = self.k_proj(hidden_states).view(hidden_shape)
     value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)

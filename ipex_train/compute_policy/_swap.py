@@ -61,13 +61,34 @@ def plain_but_input_casts(module: torch.nn.Module) -> bool:
                for h in module._forward_pre_hooks.values())
 
 
+def _input_cast_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The dtype ``module``'s only pre-hook, optimize()'s ``cast_inputs``, casts floating inputs to (its weight's);
+    None where it has other hooks or none."""
+    hooks = [(getattr(h, "__module__", None), getattr(h, "__name__", None)) for h in module._forward_pre_hooks.values()]
+    weight = getattr(module, "weight", None)
+    if hooks == [("ipex_train.precision.casts", "cast_inputs")] and isinstance(weight, torch.Tensor):
+        return weight.dtype
+    return None
+
+
 def cast_as_pre_hooks(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``module``'s forward would receive it where its only pre-hook is optimize()'s ``cast_inputs`` (a
     floating input cast to the parameters' dtype; ``module`` has a ``weight``); otherwise ``x`` as it is."""
-    hooks = [(getattr(h, "__module__", None), getattr(h, "__name__", None)) for h in module._forward_pre_hooks.values()]
-    if hooks == [("ipex_train.precision.casts", "cast_inputs")] and x.is_floating_point():
-        return x.to(module.weight.dtype)
-    return x
+    dtype = _input_cast_dtype(module)
+    return x.to(dtype) if dtype is not None and x.is_floating_point() else x
+
+
+def shared_input_cast(modules, x: torch.Tensor) -> torch.Tensor:
+    """``x`` cast once for all of ``modules`` (projections of one input) where each would cast it alike by
+    optimize()'s ``cast_inputs`` (:func:`cast_as_pre_hooks`); otherwise ``x`` as it is, for each module to take as
+    before. Each module then receives the very tensor its hook would have made (the forward is unchanged) and its hook
+    passes it through; backward, their input gradients add in the cast's dtype before one cast back, as they do where
+    the input already had it (a bf16 stream), instead of each cast back and added in fp32."""
+    dtypes = {_input_cast_dtype(m) for m in modules}
+    if len(dtypes) != 1 or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return x
+    dtype = dtypes.pop()
+    return x if dtype is None or x.dtype == dtype else x.to(dtype)
 
 
 def checkpointing(module: torch.nn.Module) -> bool:

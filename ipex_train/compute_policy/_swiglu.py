@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import swiglu as _fused
-from ._swap import Swap, global_hooks, plain
+from ._swap import Swap, global_hooks, plain, shared_input_cast
 
 # Hugging Face classes whose forward is exactly LlamaMLP's (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`), checked
 # in the transformers 5.x source by an AST comparison of the forward bodies (tests/test_swiglu_route.py repeats it
@@ -53,6 +53,7 @@ def forward(self, x):
     tensors of one dtype and shape; every other call as the class computes it."""
     if not _fusable(self):
         return type(self).forward(self, x)
+    x = shared_input_cast((self.gate_proj, self.up_proj), x)  # an fp32 norm output cast once for both
     gate = self.gate_proj(x)
     up = self.up_proj(x)
     if not _fused.supports(gate, up):
