@@ -58,12 +58,13 @@ ALLOWED = {
     "rope": {"base"},
     "swiglu": {"base"},
     "bias_gelu": {"base"},
+    "linear": set(),  # F.linear with the bias in oneDNN's epilogue (torch's own op)
     "lora": {"base"},
     "xpu": {"base", "optim"},  # the same steps on SYCL queues
     "inference": {"base"},  # folding, export (TorchScript, AOTInductor)
     "precision": {"base"},  # what goes low precision, casts, master weights, channels-last, the optimize() record
     # how bf16 ops are computed; routes to our kernels
-    "compute_policy": {"base", "attention", "rms_norm", "add_norm", "lora", "rope", "swiglu", "bias_gelu"},
+    "compute_policy": {"base", "attention", "rms_norm", "add_norm", "lora", "rope", "swiglu", "bias_gelu", "linear"},
     "config": {"base"},  # OptimizeConfig
     "training": {"base", "optim", "precision"},  # the returned optimizer, the step inside backward
     "distributed": {"base", "optim", "precision", "training"},  # FSDP2

@@ -32,11 +32,11 @@ def suite_step(model_name: str, route, route_name: str, routed: bool):
     """:func:`routed_step` on the benchmark suite's ``model_name`` (MSE against a fixed random target)."""
     import torch
 
-    from benchmarks.common.train_models import MODELS, NUM_CLASSES
+    from benchmarks.common.train_models import MODELS, NUM_CLASSES, example_input
 
     spec = MODELS[model_name]
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(spec.input_shape, generator=gen)
+    x = example_input(spec, gen)  # token ids for the models with a vocabulary
     target = torch.randn(spec.input_shape[0], NUM_CLASSES, generator=gen)
     return routed_step(spec.build, lambda model: (model(x).float() - target).pow(2).mean(), route, route_name, routed)
 

@@ -45,7 +45,9 @@ Policies
     BERT-style intermediate blocks over an exact GELU (:func:`routes_bias_gelu`) keep their forward (the linear
     with its bias, torch's GELU) and run the GELU's backward and the bias gradient as one pass
     (``ipex_train.bias_gelu.gelu_with_bias_grad``); ViT-style MLPs (``ViTMLP`` and the like) likewise before their
-    ``fc2``.
+    ``fc2``. ``nn.Linear`` modules with a bias (:func:`routes_linear`), and the linears the routes above compute
+    themselves, run ``ipex_train.linear``: the bias added in oneDNN's GEMM epilogue instead of copied into the output
+    before the GEMM, the same bits as ``F.linear``.
 ``"emulated"``
     linear, conv1d/2d/3d, conv_transpose1d/2d/3d, matmul (also ``@``), mm, bmm, addmm, baddbmm,
     scaled_dot_product_attention, einsum, tensordot, inner, chain_matmul, linalg.multi_dot,
@@ -118,6 +120,7 @@ from ._routes import (
     routes_add_norm,
     routes_add_rms_norm,
     routes_bias_gelu,
+    routes_linear,
     routes_lora,
     routes_multihead_attention,
     routes_patch_embedding,
@@ -147,6 +150,7 @@ __all__ = [
     "routed_modules",
     "routes_swiglu",
     "routes_bias_gelu",
+    "routes_linear",
     "emulated_bf16",
     "ComputePolicyHandle",
 ]

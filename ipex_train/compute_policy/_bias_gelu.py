@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import bias_gelu as _fused
+from .. import linear as _fused_linear
 from ._source import digest
 from ._swap import Swap, cast_as_pre_hooks, global_hooks, plain, plain_but_input_casts
 
@@ -100,7 +101,7 @@ def forward(self, hidden_states):
     x = cast_as_pre_hooks(linear, hidden_states) if isinstance(hidden_states, torch.Tensor) else hidden_states
     if not _fusable(linear, getattr(self, act), x):
         return type(self).forward(self, hidden_states)
-    h = _fused.gelu_with_bias_grad(F.linear(x, linear.weight, linear.bias.detach()), linear.bias)
+    h = _fused.gelu_with_bias_grad(_fused_linear.linear(x, linear.weight, linear.bias.detach()), linear.bias)
     return h if down is None else getattr(self, down)(h)
 
 

@@ -17,9 +17,9 @@ torch's fused fast path) runs the class's forward.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import attention
+from .. import linear as _linear
 from ._swap import Swap
 
 
@@ -77,7 +77,7 @@ def forward(self, query, key, value, key_padding_mask=None, need_weights=True, a
     x = query if self.batch_first else query.transpose(0, 1)
     b, s, e = x.shape
     heads = self.num_heads
-    proj = F.linear(x, self.in_proj_weight, self.in_proj_bias)
+    proj = _linear.linear(x, self.in_proj_weight, self.in_proj_bias)
     q, k, v = proj.view(b, s, 3, heads, e // heads).permute(2, 0, 3, 1, 4).unbind(0)
     mask = key_padding_mask
     if mask is not None:  # torch's SDPA masks keep True and add floats: a padding mask ignores True
@@ -85,7 +85,7 @@ def forward(self, query, key, value, key_padding_mask=None, need_weights=True, a
     o = attention.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                dropout_p=self.dropout if self.training else 0.0,
                                                is_causal=bool(is_causal))
-    o = F.linear(o.transpose(1, 2).reshape(b, s, e), self.out_proj.weight, self.out_proj.bias)
+    o = _linear.linear(o.transpose(1, 2).reshape(b, s, e), self.out_proj.weight, self.out_proj.bias)
     return (o if self.batch_first else o.transpose(0, 1)), None
 
 

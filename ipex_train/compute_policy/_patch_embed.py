@@ -10,8 +10,8 @@ for RMSNorm; ``remove()`` deletes it again.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .. import linear as _linear
 from ._swap import Swap
 
 
@@ -40,7 +40,7 @@ def patch_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if h != nh * kh or w != nw * kw:  # the convolution drops the rows and columns past the last whole patch
         x = x[:, :, :nh * kh, :nw * kw]
     patches = x.reshape(b, c, nh, kh, nw, kw).permute(0, 2, 4, 1, 3, 5).reshape(b * nh * nw, c * kh * kw)
-    out = F.linear(patches, weight.reshape(weight.shape[0], -1), bias)
+    out = _linear.linear(patches, weight.reshape(weight.shape[0], -1), bias)
     out = out.view(b, nh, nw, -1).permute(0, 3, 1, 2)  # channels-last strides
     if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
         return out

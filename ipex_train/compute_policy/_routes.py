@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from . import _add_norm, _add_rms_norm, _bias_gelu, _lora, _mha, _patch_embed, _prenorm, _rms_norm, _rope, _swiglu
+from . import (
+    _add_norm,
+    _add_rms_norm,
+    _bias_gelu,
+    _linear,
+    _lora,
+    _mha,
+    _patch_embed,
+    _prenorm,
+    _rms_norm,
+    _rope,
+    _swiglu,
+)
 
 
 def routes_rms_norm(module: torch.nn.Module) -> bool:
@@ -92,6 +104,14 @@ def routes_lora(module: torch.nn.Module) -> bool:
     return _lora.routable(module)
 
 
+def routes_linear(module: torch.nn.Module) -> bool:
+    """Whether the native policy runs ``module`` through ``ipex_train.linear``: an ``nn.Linear`` with a bias (its
+    class's forward, not already replaced on the instance), whose bias oneDNN then adds in the GEMM's epilogue rather
+    than torch copying it into the output first; the same bits as ``F.linear``. Calls the op does not take run
+    ``F.linear``."""
+    return _linear.routable(module)
+
+
 # (predicate, swap) per route, in the order attach() applies them. Llama-family RMSNorm: ~10 autograd passes in torch
 # ops, one fused pass per row here; post-norm blocks: dropout + residual add + LayerNorm in one pass each way;
 # pre-norm (ViT) layers: the same after the attention, the sum passed on as the residual stream;
@@ -100,7 +120,8 @@ def routes_lora(module: torch.nn.Module) -> bool:
 # torch's transposes and split copies; peft LoRA: the adapter's product summed into the base output by the matmul;
 # Llama-family MLPs: silu(gate) * up in one pass each way; Llama-family decoder layers: the residual add and the
 # post-attention RMSNorm in one pass each way; BERT-style intermediate blocks: bias + GELU in one pass each way, the
-# bias gradient reduced in the backward's pass (and ViT-style MLPs' first half likewise).
+# bias gradient reduced in the backward's pass (and ViT-style MLPs' first half likewise); linears with a bias: the
+# bias in the GEMM's epilogue (last: the routes above call some linears themselves, through the same op).
 ROUTES = (
     (routes_rms_norm, _rms_norm.swap),
     (routes_add_norm, _add_norm.swap),
@@ -112,6 +133,7 @@ ROUTES = (
     (routes_swiglu, _swiglu.swap),
     (routes_add_rms_norm, _add_rms_norm.swap),
     (routes_bias_gelu, _bias_gelu.swap),
+    (routes_linear, _linear.swap),
 )
 
 
@@ -127,6 +149,7 @@ ROUTED_FORWARDS = (
     ("lora", _lora.forward),
     ("add_rms_norm", _add_rms_norm.forward),
     ("bias_gelu", _bias_gelu.forward),
+    ("linear", _linear.forward),
 )
 
 

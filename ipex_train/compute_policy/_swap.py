@@ -30,11 +30,25 @@ class Swap:
             del module.forward
 
 
+def same_as_class(forward: Callable) -> Callable:
+    """Mark a route's ``forward`` as computing exactly what its class's forward computes, bit for bit (the linear
+    route: ``F.linear`` with the bias in the GEMM's epilogue): a module holding it still counts as :func:`plain` for
+    the routes that skip calling it and compute its op themselves."""
+    forward.same_as_class = True
+    return forward
+
+
+def _class_forward(module: torch.nn.Module) -> bool:
+    """No instance-level forward on ``module``, or one marked :func:`same_as_class`."""
+    bound = vars(module).get("forward")
+    return bound is None or getattr(getattr(bound, "__func__", None), "same_as_class", False)
+
+
 def plain(module: torch.nn.Module) -> bool:
-    """No hooks and no instance-level forward: calling ``module`` runs exactly its class's forward (what a route
-    that skips calling a submodule, and computes its op itself, must check)."""
+    """No hooks and no instance-level forward (but one :func:`same_as_class`): calling ``module`` runs exactly its
+    class's forward (what a route that skips calling a submodule, and computes its op itself, must check)."""
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or "forward" in vars(module))
+                or module._backward_pre_hooks) and _class_forward(module)
 
 
 def global_hooks() -> bool:
@@ -55,7 +69,7 @@ _INPUT_CAST_HOOKS = frozenset({("ipex_train.precision.casts", "cast_inputs"),
 def plain_but_input_casts(module: torch.nn.Module) -> bool:
     """As :func:`plain`, except that optimize()'s input casts may be registered: calling ``module`` on an input of
     its parameters' dtype is exactly its class's forward on that input (the caller checks the dtype)."""
-    if "forward" in vars(module) or module._backward_hooks or module._backward_pre_hooks or module._forward_hooks:
+    if not _class_forward(module) or module._backward_hooks or module._backward_pre_hooks or module._forward_hooks:
         return False
     return all((getattr(h, "__module__", None), getattr(h, "__name__", None)) in _INPUT_CAST_HOOKS
                for h in module._forward_pre_hooks.values())
