@@ -142,10 +142,7 @@ def test_routed_vit_trains_as_unrouted(monkeypatch):
 @native
 def test_routed_modules_counts_the_route():
     model, _ = optimized(_bert())
-    # Every nn.Linear with a bias is the linear route's (the blocks' dense layers too: the bias + GELU route calls
-    # them through the same op).
-    linears = sum(type(m) is torch.nn.Linear and m.bias is not None for m in model.modules())
-    assert cp.routed_modules(model) == {"add_norm": 2 * LAYERS, "bias_gelu": LAYERS, "linear": linears}
+    assert cp.routed_modules(model) == {"add_norm": 2 * LAYERS, "bias_gelu": LAYERS}  # no layer is 512 wide
 
 
 def _block_and_input(dtype=BF16, act="gelu"):

@@ -20,8 +20,10 @@ BF16 = torch.bfloat16
 
 @pytest.fixture(autouse=True)
 def _every_size(monkeypatch):
-    # The op's numerics on small tensors: linear() otherwise leaves outputs under MIN_OUTPUT_ELEMENTS to F.linear.
+    # Small models: the route otherwise takes layers of 512 features or more only, and linear() leaves outputs under
+    # MIN_OUTPUT_ELEMENTS to F.linear.
     monkeypatch.setattr(lin, "MIN_OUTPUT_ELEMENTS", 0)
+    monkeypatch.setattr(_linear, "MIN_OUT_FEATURES", 0)
 OURS = "ipex_train.linear_bias"
 LAYERS = 2
 pytestmark = pytest.mark.skipif(not lin._probe(), reason="ipex_train.linear is F.linear here (no oneDNN bf16 linear "
@@ -96,10 +98,13 @@ def test_hooks_on_a_routed_linear_still_run():
     assert seen == [BF16]
 
 
-def test_which_modules_route():
-    assert _linear.routable(torch.nn.Linear(4, 3))
-    assert not _linear.routable(torch.nn.Linear(4, 3, bias=False))
-    assert _linear.routable(torch.nn.modules.linear.NonDynamicallyQuantizableLinear(4, 3))
+def test_which_modules_route(monkeypatch):
+    monkeypatch.setattr(_linear, "MIN_OUT_FEATURES", 512)
+    assert _linear.routable(torch.nn.Linear(4, 512))
+    assert not _linear.routable(torch.nn.Linear(4, 511))  # narrow layers: the call would only cost
+    assert not _linear.routable(torch.nn.Linear(4, 512, bias=False))
+    assert _linear.routable(torch.nn.modules.linear.NonDynamicallyQuantizableLinear(4, 512))
+    monkeypatch.setattr(_linear, "MIN_OUT_FEATURES", 0)
 
     class Custom(torch.nn.Linear):
         def forward(self, x):

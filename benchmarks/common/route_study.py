@@ -41,6 +41,50 @@ def suite_step(model_name: str, route, route_name: str, routed: bool):
     return routed_step(spec.build, lambda model: (model(x).float() - target).pow(2).mean(), route, route_name, routed)
 
 
+def linear_operands(tokens: int, n_in: int, n_out: int):
+    """bf16 ``x`` (tokens, n_in), ``w`` (n_out, n_in, scaled by n_in^-1/2) and ``b`` (n_out), all requiring grad, and
+    an output gradient ``g`` (tokens, n_out): one seeded linear layer's operands for an op study."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, n_in, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(n_out, n_in, generator=gen) * n_in**-0.5).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(n_out, generator=gen).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(tokens, n_out, generator=gen).to(torch.bfloat16)
+    return x, w, b, g
+
+
+def patched_suite_step(model_name: str, patches=()):
+    """A zero-argument SGD step (momentum 0.9, MSE on the head against a fixed target) of the suite's ``model_name``
+    under ``optimize(dtype=bf16, bf16_compute="native")`` with every route on, each step run inside ``patches``
+    (``unittest.mock`` patchers, entered anew per step: what a study switches off); and the optimized model."""
+    import contextlib
+
+    import torch
+
+    import ipex_train
+    from benchmarks.common.train_models import MODELS, NUM_CLASSES, example_input
+
+    spec = MODELS[model_name]
+    gen = torch.Generator().manual_seed(1)
+    x = example_input(spec, gen)
+    target = torch.randn(spec.input_shape[0], NUM_CLASSES, generator=gen)
+    torch.manual_seed(0)
+    model = spec.build().train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    model, opt = ipex_train.optimize(model, opt, dtype=torch.bfloat16, bf16_compute="native")
+
+    def step():
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            opt.zero_grad(set_to_none=True)
+            (model(x).float() - target).pow(2).mean().backward()
+            opt.step()
+
+    return step, model
+
+
 def step_row(make_step, rounds: int) -> dict:
     """:func:`benchmarks.common.timing.routed_against_unrouted` over ``make_step(routed)``'s routed, unrouted and
     control steps (each ``make_step`` returns ``(step, modules routed)``), with the routed module counts."""

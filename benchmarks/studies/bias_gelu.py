@@ -23,22 +23,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common.route_study import route_step_row, run_two_column_study
+from benchmarks.common.route_study import linear_operands, route_step_row, run_two_column_study
 from benchmarks.common.timing import interleaved
 
-BF16 = torch.bfloat16
 OP_SHAPES = ((8 * 128, 768, 3072),)  # tokens, in, out
 
 
 def _op_row(shape: tuple, rounds: int) -> dict:
     from ipex_train.bias_gelu import bias_gelu, gelu_with_bias_grad
 
-    tokens, n_in, n_out = shape
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, n_in, generator=gen).to(BF16).requires_grad_()
-    w = (torch.randn(n_out, n_in, generator=gen) * n_in**-0.5).to(BF16).requires_grad_()
-    b = torch.randn(n_out, generator=gen).to(BF16).requires_grad_()
-    g = torch.randn(tokens, n_out, generator=gen).to(BF16)
+    x, w, b, g = linear_operands(*shape)
 
     def unfused():
         return torch.autograd.grad(F.gelu(F.linear(x, w, b)), (x, w, b), g)

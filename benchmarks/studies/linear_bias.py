@@ -25,10 +25,9 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common.route_study import run_study, step_line
+from benchmarks.common.route_study import linear_operands, patched_suite_step, run_study, step_line
 from benchmarks.common.timing import interleaved, routed_against_unrouted
 
-BF16 = torch.bfloat16
 OP_SHAPES = ((8 * 128, 768, 768), (8 * 128, 768, 3072), (8 * 128, 3072, 768), (4 * 197, 768, 2304))
 STEP_MODELS = ("bert_base_tokens", "vit_b16")
 
@@ -36,12 +35,7 @@ STEP_MODELS = ("bert_base_tokens", "vit_b16")
 def _op_row(shape: tuple, rounds: int) -> dict:
     from ipex_train.linear import linear
 
-    tokens, n_in, n_out = shape
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, n_in, generator=gen).to(BF16).requires_grad_()
-    w = (torch.randn(n_out, n_in, generator=gen) * n_in**-0.5).to(BF16).requires_grad_()
-    b = torch.randn(n_out, generator=gen).to(BF16).requires_grad_()
-    g = torch.randn(tokens, n_out, generator=gen).to(BF16)
+    x, w, b, g = linear_operands(*shape)
     calls = {"torch_fwd": lambda: F.linear(x.detach(), w.detach(), b.detach()),
              "ours_fwd": lambda: linear(x.detach(), w.detach(), b.detach()),
              "torch": lambda: torch.autograd.grad(F.linear(x, w, b), (x, w, b), g),
@@ -58,28 +52,13 @@ def _op_line(r: dict) -> str:
 
 
 def _suite_step(model_name: str, with_op: bool):
-    """An SGD step of the suite's ``model_name`` under optimize(bf16) with every route on, its linears through the op
-    or (its probe patched to fail) all through ``F.linear``; and how many modules the linear route holds."""
+    """A step of the suite's ``model_name`` with its linears through the op, or (its probe patched to fail) all
+    through ``F.linear``; and how many modules the linear route holds."""
     import ipex_train
-    from benchmarks.common.train_models import MODELS, NUM_CLASSES, example_input
     from ipex_train import linear
 
-    spec = MODELS[model_name]
-    gen = torch.Generator().manual_seed(1)
-    x = example_input(spec, gen)
-    target = torch.randn(spec.input_shape[0], NUM_CLASSES, generator=gen)
-    torch.manual_seed(0)
-    model = spec.build().train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    model, opt = ipex_train.optimize(model, opt, dtype=BF16, bf16_compute="native")
-    probe = linear._probe if with_op else (lambda: False)
-
-    def step():
-        with mock.patch.object(linear, "_probe", probe):
-            opt.zero_grad(set_to_none=True)
-            (model(x).float() - target).pow(2).mean().backward()
-            opt.step()
-
+    patches = () if with_op else (mock.patch.object(linear, "_probe", lambda: False),)
+    step, model = patched_suite_step(model_name, patches)
     return step, ipex_train.compute_policy.routed_modules(model).get("linear", 0)
 
 

@@ -26,7 +26,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.common.route_study import run_study
+from benchmarks.common.route_study import patched_suite_step, run_study
 from benchmarks.common.timing import interleaved, routed_against_unrouted
 
 BF16 = torch.bfloat16
@@ -69,30 +69,8 @@ def _op_row(_case, rounds: int) -> dict:
 
 
 def _suite_step(model_name: str, shared: bool):
-    """An SGD step (momentum 0.9, MSE on the head against a fixed target) of the suite's ``model_name`` under
-    optimize(bf16), with the shared cast on or off, and its casts per step."""
-    import contextlib
-
-    import ipex_train
-    from benchmarks.common.train_models import MODELS, NUM_CLASSES, example_input
-
-    spec = MODELS[model_name]
-    gen = torch.Generator().manual_seed(1)
-    x = example_input(spec, gen)
-    target = torch.randn(spec.input_shape[0], NUM_CLASSES, generator=gen)
-    torch.manual_seed(0)
-    model = spec.build().train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    model, opt = ipex_train.optimize(model, opt, dtype=BF16, bf16_compute="native")
-
-    def step():
-        with contextlib.ExitStack() as stack:
-            for patch in () if shared else _no_sharing():
-                stack.enter_context(patch)
-            opt.zero_grad(set_to_none=True)
-            (model(x).float() - target).pow(2).mean().backward()
-            opt.step()
-
+    """A step of the suite's ``model_name`` with the shared cast on or off, and its casts per step."""
+    step, _ = patched_suite_step(model_name, () if shared else _no_sharing())
     step()
     with torch.profiler.profile() as prof:
         for _ in range(PROFILED_STEPS):

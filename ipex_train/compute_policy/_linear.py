@@ -14,11 +14,18 @@ from .. import linear as _fused
 from ._swap import Swap, same_as_class
 
 
+# Narrowest layer routed: a call runs the op only for outputs of at least ipex_train.linear.MIN_OUTPUT_ELEMENTS
+# (2^19) elements, which 512 features reach at 1024 rows (a BERT-base batch); narrower layers (classifier heads,
+# small CNNs' MLPs) would only pay the routed forward's Python call.
+MIN_OUT_FEATURES = 512
+
+
 def routable(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is an ``nn.Linear`` (or a subclass keeping its forward) with a bias tensor, whose forward
-    is not already replaced on the instance."""
+    """Whether ``module`` is an ``nn.Linear`` (or a subclass keeping its forward) with a bias tensor and at least
+    :data:`MIN_OUT_FEATURES` output features, whose forward is not already replaced on the instance."""
     return (isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
-            and "forward" not in vars(module) and isinstance(module.bias, torch.Tensor))
+            and "forward" not in vars(module) and isinstance(module.bias, torch.Tensor)
+            and module.out_features >= MIN_OUT_FEATURES)
 
 
 @same_as_class

@@ -105,10 +105,10 @@ def routes_lora(module: torch.nn.Module) -> bool:
 
 
 def routes_linear(module: torch.nn.Module) -> bool:
-    """Whether the native policy runs ``module`` through ``ipex_train.linear``: an ``nn.Linear`` with a bias (its
-    class's forward, not already replaced on the instance), whose bias oneDNN then adds in the GEMM's epilogue rather
-    than torch copying it into the output first; the same bits as ``F.linear``. Calls the op does not take run
-    ``F.linear``."""
+    """Whether the native policy runs ``module`` through ``ipex_train.linear``: an ``nn.Linear`` with a bias and at
+    least 512 output features (its class's forward, not already replaced on the instance), whose bias oneDNN then
+    adds in the GEMM's epilogue rather than torch copying it into the output first; the same bits as ``F.linear``.
+    Calls the op does not take, or with outputs under ``ipex_train.linear.MIN_OUTPUT_ELEMENTS``, run ``F.linear``."""
     return _linear.routable(module)
 
 
