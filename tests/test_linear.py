@@ -112,6 +112,8 @@ def test_small_outputs_run_f_linear(monkeypatch):
 def test_bad_shapes_raise_f_linears_error():
     x, w, b = _operands((4, 32), 24)
     with pytest.raises(RuntimeError):
+        lin.linear(torch.tensor(1.0, dtype=BF16), w, b)  # 0-d input
+    with pytest.raises(RuntimeError):
         lin.linear(x, w[:, :16], b)
     with pytest.raises(RuntimeError):
         lin.linear(x, w, b[:5])

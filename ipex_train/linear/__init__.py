@@ -44,7 +44,7 @@ _PROBE_SHAPES = ((3, 32, 16), (18, 48, 40), (37, 64, 96), (5, 128, 24), (11, 256
 
 @functools.cache
 def _probe() -> bool:
-    """Whether oneDNN's bias-epilogue linear runs here and equals ``F.linear`` on a small bf16 case."""
+    """Whether oneDNN's bias-epilogue linear runs here and equals ``F.linear`` on a few small bf16 cases."""
     mkldnn = getattr(torch.ops, "mkldnn", None)
     if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
             and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and mkldnn._is_mkldnn_bf16_supported()):
@@ -91,7 +91,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     at least :data:`MIN_OUTPUT_ELEMENTS` elements (the same result and gradients, bit for bit), else ``F.linear``
     itself (which raises for what it does not take)."""
     if (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor)
-            and x.numel() // max(x.shape[-1], 1) * weight.shape[0] >= MIN_OUTPUT_ELEMENTS
-            and supports(x, weight, bias)):
+            and supports(x, weight, bias) and x.numel() // x.shape[-1] * weight.shape[0] >= MIN_OUTPUT_ELEMENTS):
         return _op.linear_bias(x, weight, bias)
     return F.linear(x, weight, bias)
