@@ -13,7 +13,6 @@ import torch
 from .. import linear as _fused
 from ._swap import Swap, same_as_class
 
-
 # Narrowest layer routed: a call runs the op only for outputs of at least ipex_train.linear.MIN_OUTPUT_ELEMENTS
 # (2^19) elements, which 512 features reach at 1024 rows (a BERT-base batch); narrower layers (classifier heads,
 # small CNNs' MLPs) would only pay the routed forward's Python call.
