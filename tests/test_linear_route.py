@@ -124,5 +124,15 @@ def test_detach_restores_and_pickled_copy_runs():
                                      lambda m: m(input_ids=IDS).logits)
 
 
+@native
+def test_attach_runs_the_probe_before_any_forward():
+    lin._probe.cache_clear()
+    try:
+        cp.attach(torch.nn.Sequential(torch.nn.Linear(4, 4)), "native")
+        assert lin._probe.cache_info().currsize == 1  # its ops never land inside a model's forward
+    finally:
+        lin._probe()
+
+
 def test_emulated_policy_does_not_route():
     emulated_does_not_route(_bert(), _biased_linears, lambda m, opt: train(m, opt, _bert_loss, 1), OURS)

@@ -111,6 +111,7 @@ import weakref
 
 import torch
 
+from .. import linear as _linear_op
 from ..base import envvars as _envvars
 from ..base.choices import BF16_COMPUTE, parse_bf16_compute
 from . import _routes
@@ -394,6 +395,7 @@ def attach(model: torch.nn.Module, policy: str) -> ComputePolicyHandle:
         # Module routes (RMSNorm, add + norms, patch embeddings, MultiheadAttention, LoRA, ...): instance-level
         # forwards, deleted again by the handle's remove() (docs/compute_policy.md).
         hooks.extend(_routes.swap_all(model))
+        _linear_op.available()  # the linear op's one-time probe now, not inside the first forward
     else:
         for module in scoped:
             hooks.append(module.register_forward_pre_hook(_enter_hook))

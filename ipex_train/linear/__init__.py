@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from . import _op
 
-__all__ = ["linear", "supports", "MIN_OUTPUT_ELEMENTS"]
+__all__ = ["linear", "supports", "available", "MIN_OUTPUT_ELEMENTS"]
 
 # Smallest output (rows x out_features) :func:`linear` runs the op for: it saves the bias copy, ~0.17 ms at
 # 1024 x 768 bf16 and ~0.9 ms at 1024 x 3072 on a 2-core AMX VM, and costs ~70 us more per call than F.linear in
@@ -61,6 +61,13 @@ def _probe() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def available() -> bool:
+    """Whether the bias-epilogue op runs here: oneDNN with bf16, and the probe's cases equal to ``F.linear``. The
+    first call in a process runs the probe (~0.1 s); the native compute policy calls it when it attaches, so that the
+    probe's own ops never run inside a model's forward."""
+    return _probe()
 
 
 @torch.compiler.assume_constant_result
